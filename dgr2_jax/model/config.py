@@ -1,0 +1,209 @@
+"""The model configuration: Qwen3 hyper-parameters (HF names) plus the block-diffusion fields.
+
+`Qwen3Config` is the single description of a model that every stage passes around. The HF fields
+keep transformers' names so that `from_hf_dict(json.load(config.json))` and `to_hf_dict()` are
+plain renames. The block-diffusion fields (`block_size`, `mask_token_id`, `attention`) are what
+"converting" an AR re-ranker into a block-diffusion one changes: the weights stay as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ATTENTION_KINDS = ("causal", "block_causal")
+# Extra keys we write into config.json so our checkpoints round-trip through HF directories.
+DIFFUSION_KEYS = ("block_size", "mask_token_id", "attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 1_000_000.0
+  # None, or a dict as in HF: {"rope_type": "linear"|"yarn", "factor": ..., ...}.
+  rope_scaling: tuple[tuple[str, Any], ...] | None = None
+  tie_word_embeddings: bool = False
+  max_position_embeddings: int = 40960
+  attention_bias: bool = False
+  bos_token_id: int | None = None
+  eos_token_id: int | tuple[int, ...] | None = None
+  pad_token_id: int | None = None
+  # Numerics: activations/matmuls in `dtype`, parameters stored in `param_dtype`; logits are f32.
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  # Rematerialise each decoder layer in the backward pass (saves activation memory).
+  remat: bool = False
+  # Block diffusion. `attention="causal"` with block_size 1 is the AR model.
+  block_size: int = 1
+  mask_token_id: int | None = None
+  attention: str = "causal"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "block_size"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v <= 0:
+        raise ValueError(f"model config field '{name}' must be a positive int, got {v!r}")
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(
+          f"model config: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+          f"num_key_value_heads ({self.num_key_value_heads})")
+    if self.head_dim % 2:
+      raise ValueError(f"model config field 'head_dim' must be even for rotary embeddings, got {self.head_dim}")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f"model config field '{name}' must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+    if self.attention not in ATTENTION_KINDS:
+      raise ValueError(f"model config field 'attention' must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+    if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+      raise ValueError(f"model config field 'mask_token_id' ({self.mask_token_id}) is outside the vocabulary "
+                       f"(vocab_size {self.vocab_size})")
+    if self.rope_scaling is not None:
+      rs = dict(self.rope_scaling)
+      kind = rs.get("rope_type", rs.get("type"))
+      if kind not in ("linear", "yarn", "default"):
+        raise ValueError(f"model config field 'rope_scaling' has unsupported rope_type {kind!r} "
+                         "(supported: None, 'linear', 'yarn')")
+
+  # ---- numerics -------------------------------------------------------------------------------
+  @property
+  def jnp_dtype(self):
+    return _DTYPES[self.dtype]
+
+  @property
+  def jnp_param_dtype(self):
+    return _DTYPES[self.param_dtype]
+
+  @property
+  def num_kv_groups(self) -> int:
+    return self.num_attention_heads // self.num_key_value_heads
+
+  @property
+  def eos_ids(self) -> tuple[int, ...]:
+    if self.eos_token_id is None:
+      return ()
+    if isinstance(self.eos_token_id, int):
+      return (self.eos_token_id,)
+    return tuple(self.eos_token_id)
+
+  def replace(self, **kw) -> "Qwen3Config":
+    return dataclasses.replace(self, **kw)
+
+  def as_block_diffusion(self, block_size: int, mask_token_id: int | None = None) -> "Qwen3Config":
+    """The weight-lossless conversion: same tensors, block-causal attention of `block_size`."""
+    mask_token_id = self.mask_token_id if mask_token_id is None else mask_token_id
+    if block_size > 1 and mask_token_id is None:
+      raise ValueError("converting to block diffusion needs a mask token: set mask_token_id "
+                       "(convert the checkpoint with --mask_token=<|mask|>)")
+    return self.replace(block_size=block_size, mask_token_id=mask_token_id,
+                        attention="block_causal" if block_size > 1 else "causal")
+
+  # ---- rotary -------------------------------------------------------------------------------------
+  def rope_inv_freq_and_scale(self) -> tuple[list[float], float]:
+    """Inverse frequencies [head_dim/2] and cos/sin scale, as transformers computes them for Qwen3."""
+    dim = self.head_dim
+    base = self.rope_theta
+    inv = [1.0 / (base ** (i / dim)) for i in range(0, dim, 2)]
+    rs = dict(self.rope_scaling or ())
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "linear":
+      return [f / rs["factor"] for f in inv], 1.0
+    if kind != "yarn":
+      return inv, 1.0
+    factor = rs.get("factor")
+    orig = rs["original_max_position_embeddings"]
+    if factor is None:
+      factor = self.max_position_embeddings / orig
+    def get_mscale(scale, mscale=1.0):
+      return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+    attn = rs.get("attention_factor")
+    if attn is None:
+      if rs.get("mscale") and rs.get("mscale_all_dim"):
+        attn = get_mscale(factor, rs["mscale"]) / get_mscale(factor, rs["mscale_all_dim"])
+      else:
+        attn = get_mscale(factor)
+    beta_fast = rs.get("beta_fast") or 32
+    beta_slow = rs.get("beta_slow") or 1
+    def corr_dim(rot):
+      return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if rs.get("truncate", True):
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+      high += 0.001
+    out = []
+    for i in range(dim // 2):
+      ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+      extra = 1.0 - ramp
+      pos_freq = base ** (2 * i / dim)
+      out.append((1.0 / (factor * pos_freq)) * (1 - extra) + (1.0 / pos_freq) * extra)
+    return out, float(attn)
+
+  # ---- HF interop -----------------------------------------------------------------------------
+  @classmethod
+  def from_hf_dict(cls, d: dict, **overrides) -> "Qwen3Config":
+    """From a transformers `config.json` dict (legacy rope_theta/rope_scaling or rope_parameters)."""
+    if d.get("model_type") not in (None, "qwen3"):
+      raise ValueError(f"config.json: model_type is {d.get('model_type')!r}, only 'qwen3' is supported")
+    rp = d.get("rope_parameters") or {}
+    rope_theta = d.get("rope_theta", rp.get("rope_theta", 1_000_000.0))
+    scaling = d.get("rope_scaling") or {k: v for k, v in rp.items() if k != "rope_theta"}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    rope_scaling = None if kind == "default" else tuple(sorted(scaling.items()))
+    heads = d["num_attention_heads"]
+    eos = d.get("eos_token_id")
+    kw = dict(
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
+        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        max_position_embeddings=d.get("max_position_embeddings", 40960),
+        attention_bias=bool(d.get("attention_bias", False)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        pad_token_id=d.get("pad_token_id"),
+    )
+    dg = d.get("dgr2", {})
+    for key in DIFFUSION_KEYS:
+      if key in dg:
+        kw[key] = dg[key]
+    kw.update(overrides)
+    return cls(**kw)
+
+  def to_hf_dict(self) -> dict:
+    """A `config.json` dict transformers' Qwen3ForCausalLM loads; diffusion fields under "dgr2"."""
+    rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+    if self.rope_scaling is not None:
+      rope_parameters.update(dict(self.rope_scaling))
+      rope_parameters.pop("type", None)
+    eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+    return {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+        "num_attention_heads": self.num_attention_heads,
+        "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
+        "rope_parameters": rope_parameters,
+        "tie_word_embeddings": self.tie_word_embeddings,
+        "max_position_embeddings": self.max_position_embeddings,
+        "attention_bias": self.attention_bias, "attention_dropout": 0.0,
+        "use_sliding_window": False, "bos_token_id": self.bos_token_id,
+        "eos_token_id": eos, "pad_token_id": self.pad_token_id,
+        "torch_dtype": self.param_dtype,
+        "dgr2": {k: getattr(self, k) for k in DIFFUSION_KEYS},
+    }

@@ -1,0 +1,136 @@
+"""Evaluation stage: decode a split with a model directory, parse, score, write results.
+
+`--config.stage=eval --config.eval.model_dir=DIR --config.eval.split=test` renders the split's
+prompts (only users whose target is among the candidates: the paper's test set), decodes them in
+static batches of `config.eval.batch_size` (the last batch padded with copies of its last prompt,
+whose outputs are discarded) with `dgr2_jax.decode.sampler.generate` and `config.decode.*`,
+parses every output (invalid => the retriever's order, counted as a fallback) and writes to
+`config.eval.output_dir` or `workdir/eval/<name>`:
+- `predictions.jsonl`: example_id, user, prompt_len, output (decoded text), ranking (parsed SIDs),
+  ranking_items (item indices, valid outputs only), verdict, flags, target, target_pos, rank
+  (1-based rank used for scoring), fallback, nfe, commit_steps, reasoning_tokens;
+- `metrics.json`: recall@1, recall@3, ndcg@3, valid_rate, duplicate_rate, omission_rate,
+  out_of_set_rate, unparseable_rate, fallback_rate, mean_nfe, mean_reasoning_tokens, n, plus
+  the pre-rank floor of the same examples and the settings used.
+The tokenizer is the model directory's when it has one, else the traces stage's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import tqdm
+
+from dgr2_jax.stages import common
+from dgr2_jax.stages import traces as traces_stage
+from dgr2_jax.task import answer as answer_lib
+from dgr2_jax.task import metrics as metrics_lib
+from dgr2_jax.task import pipeline as pipeline_lib
+from dgr2_jax.task import tokenizer as tok_lib
+from dgr2_jax.task import traces as traces_lib
+
+DECODE_FIELDS = ("block_size", "threshold", "temperature", "top_k", "top_p", "max_new_tokens")
+
+
+def _tokenizer_path(config, workdir: str) -> str:
+  md = config.eval.model_dir
+  if md and os.path.exists(os.path.join(md, "tokenizer_config.json")):
+    return md
+  return traces_stage.tokenizer_dir(config, workdir)
+
+
+def decode_config(config, tids: tok_lib.TokenIds, model_config=None):
+  """`DecodeConfig` from `config.decode`; EOS/mask ids from the model config when it has them,
+  else from the tokenizer; pad from the tokenizer (a dict when the sampler module is
+  unavailable, for injected generate functions)."""
+  dec = common.to_plain(config.decode) if "decode" in config else {}
+  kw = {k: dec[k] for k in DECODE_FIELDS if k in dec}
+  kw.setdefault("max_new_tokens", config.task.response_len)
+  eos = tuple(getattr(model_config, "eos_ids", None) or (tids.eos_id,))
+  mask = getattr(model_config, "mask_token_id", None)
+  kw.update(eos_ids=tuple(dec.get("eos_ids") or eos),
+            mask_token_id=dec.get("mask_token_id") or (mask if mask is not None else tids.mask_id),
+            pad_id=tids.pad_id)
+  try:
+    from dgr2_jax.decode.sampler import DecodeConfig
+  except ImportError:
+    return kw
+  names = {f.name for f in dataclasses.fields(DecodeConfig)}
+  return DecodeConfig(**{k: v for k, v in kw.items() if k in names})
+
+
+def score_output(out_ids, tokenizer, tids, ex: dict, sids) -> dict:
+  """Per-example record of one decoded output (ids truncated after EOS)."""
+  text = tokenizer.decode(list(out_ids), skip_special_tokens=False)
+  cand_sids = [sids[i] for i in ex["candidates"]]
+  parsed = answer_lib.parse_response(text, cand_sids)
+  rec = metrics_lib.score_parsed(parsed, ex["target_pos"])
+  rec.update(example_id=ex["example_id"], user=ex["user"], output=text,
+             ranking=list(parsed.ranking),
+             ranking_items=[ex["candidates"][k] for k in parsed.positions] if parsed.valid else None,
+             flags=sorted(parsed.flags), target=ex["target"], target_pos=ex["target_pos"],
+             reasoning_tokens=metrics_lib.reasoning_token_count(out_ids, tids.think_id,
+                                                                tids.end_think_id))
+  return rec
+
+
+def run(config, workdir: str, generate_fn=None) -> str:
+  ec, tc = config.eval, config.task
+  if not ec.model_dir and generate_fn is None:
+    raise ValueError("config.eval.model_dir is required for --config.stage=eval")
+  if ec.batch_size < 1:
+    raise ValueError(f"config.eval.batch_size must be >= 1, got {ec.batch_size}")
+  model_done = common.read_done(ec.model_dir) if ec.model_dir else None
+  chash = common.config_hash(ec, tc, config.get("decode", {}), config.get("seed", 0),
+                             traces_stage.upstream_hashes(workdir), model_done)
+  name = ec.name or f"{ec.split}-{chash[:8]}"
+  out = ec.output_dir or os.path.join(workdir, "eval", name)
+  if common.is_fresh(out, chash):
+    return out
+  d = traces_stage.load_task_data(workdir)
+  sids = d["sids"]
+  examples, counts = traces_lib.build_examples(d["sequences"], d["candidates"][ec.split],
+                                               ec.split, insert_target="none")
+  if ec.max_examples:
+    examples = examples[:ec.max_examples]
+  if not examples:
+    raise ValueError(f"split {ec.split!r} has no user whose target is among the candidates")
+  tokenizer = tok_lib.load_tokenizer(_tokenizer_path(config, workdir))
+  tids = tok_lib.token_ids(tokenizer)
+  prompts = [pipeline_lib.encode_prompt(tokenizer, ex, d["items"], sids, tc)[0]
+             for ex in examples]
+  model_config = params = None
+  if ec.model_dir:
+    from dgr2_jax.model.checkpoint import load_model_dir
+    model_config, params = load_model_dir(ec.model_dir)
+  if generate_fn is None:
+    from dgr2_jax.decode.sampler import generate as generate_fn
+  dcfg = decode_config(config, tids, model_config)
+  import jax
+  rng = jax.random.PRNGKey(int(config.get("seed", 0)))
+  records, bs = [], ec.batch_size
+  for s in tqdm.tqdm(range(0, len(prompts), bs), desc=f"eval {ec.split}"):
+    chunk = prompts[s:s + bs]
+    n_real = len(chunk)
+    chunk = chunk + [chunk[-1]] * (bs - n_real)  # static batch shape
+    rng, sub = jax.random.split(rng)
+    res = generate_fn(model_config, params, chunk, dcfg, sub, max_prompt_len=tc.prompt_len)
+    for i in range(n_real):
+      ex, out_ids = examples[s + i], list(res["output_ids"][i])
+      rec = score_output(out_ids, tokenizer, tids, ex, sids)
+      rec.update(prompt_len=len(chunk[i]), nfe=int(np.asarray(res["nfe"])[i]),
+                 commit_steps=np.asarray(res["commit_step"])[i][:len(out_ids)].tolist())
+      records.append(rec)
+  metrics = metrics_lib.aggregate(records)
+  metrics.update(split=ec.split, model_dir=ec.model_dir, examples=counts,
+                 prerank_floor=metrics_lib.prerank_floor([e["target_pos"] for e in examples]),
+                 decode=common.to_plain(config.get("decode", {})))
+  with common.atomic_dir(out, chash) as tmp:
+    with open(os.path.join(tmp, "predictions.jsonl"), "w") as f:
+      for r in records:
+        f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    common.write_json_atomic(os.path.join(tmp, "metrics.json"), metrics)
+  return out

@@ -1,0 +1,128 @@
+"""Traces stage: supervised reasoning traces per split, the demo tokenizer, and task stats.
+
+Reads `workdir/data`, `workdir/sids`, `workdir/retriever` through `dgr2_jax.data.api` and writes
+`workdir/traces/`:
+- `tokenizer/`: the demo BPE tokenizer, only when `config.task.tokenizer` is '' (a real Qwen3 or
+  model tokenizer dir is used in place otherwise). `tokenizer_dir(config, workdir)` is where
+  every later stage finds the tokenizer in use; the model-init stage copies it into model dirs.
+- `<split>.jsonl` for each of `config.task.splits`: one trace per line (example_id, user, split,
+  history, target, candidates, target_pos, inserted, messages, prompt_text, response, source).
+  Built-in rationales unless `config.task.traces_path` names a teacher JSONL (rejection-sampled).
+- `stats.json`: example counts, rejection counts, prompt/response token statistics, what the
+  static shapes would truncate or drop, and the pre-rank floor per split.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from dgr2_jax.stages import common
+from dgr2_jax.task import metrics as metrics_lib
+from dgr2_jax.task import pipeline as pipeline_lib
+from dgr2_jax.task import prompts as prompts_lib
+from dgr2_jax.task import tokenizer as tok_lib
+from dgr2_jax.task import traces as traces_lib
+
+UPSTREAM = ("data", "sids", "retriever")
+
+
+def tokenizer_dir(config, workdir: str) -> str:
+  """The tokenizer in use: `config.task.tokenizer` or the demo one built by this stage."""
+  return config.task.tokenizer or os.path.join(workdir, "traces", "tokenizer")
+
+
+def load_items_sids(workdir: str):
+  from dgr2_jax.data import api
+  return api.load_items(workdir), api.load_sids(workdir)
+
+
+def load_task_data(workdir: str) -> dict:
+  """Everything the task needs from the data API (tests replace this function)."""
+  from dgr2_jax.data import api
+  return dict(items=api.load_items(workdir), sids=api.load_sids(workdir),
+              sid_tokens=api.load_sid_tokens(workdir), sequences=api.load_sequences(workdir),
+              candidates={s: api.load_candidates(workdir, s) for s in ("train", "valid", "test")})
+
+
+def upstream_hashes(workdir: str) -> list:
+  return [(common.read_done(common.stage_dir(workdir, s)) or {}).get("config_hash")
+          for s in UPSTREAM]
+
+
+def _summary(xs) -> dict:
+  xs = np.asarray(xs, np.float64)
+  if xs.size == 0:
+    return {"n": 0}
+  return {"n": int(xs.size), "mean": float(xs.mean()), "p50": float(np.percentile(xs, 50)),
+          "p90": float(np.percentile(xs, 90)), "max": float(xs.max()), "min": float(xs.min())}
+
+
+def trace_stats(traces, tokenizer, items, sids, task_cfg) -> dict:
+  """Token statistics of traces (untruncated) and the pipeline's truncation/drop counts."""
+  enc = lambda s: prompts_lib.encode(tokenizer, s)
+  prompt_lens, reason_lens, resp_lens = [], [], []
+  for t in traces:
+    prompt_lens.append(len(enc(t["prompt_text"])))
+    reasoning, _ = traces_lib.answer_lib.split_response(t["response"])
+    reason_lens.append(len(enc(reasoning)))
+    resp_lens.append(len(enc(t["response"])) + 1)  # + EOS
+  _, counts = pipeline_lib.build_arrays(traces, tokenizer, items, sids, task_cfg) if traces else (
+      None, {})
+  return {"prompt_tokens": _summary(prompt_lens), "reasoning_tokens": _summary(reason_lens),
+          "response_tokens": _summary(resp_lens), "static_shapes": counts,
+          "mean_reasoning_tokens": float(np.mean(reason_lens)) if reason_lens else 0.0}
+
+
+def run(config, workdir: str) -> str:
+  out = common.stage_dir(workdir, "traces")
+  tc = config.task
+  chash = common.config_hash(tc, config.get("seed", 0), upstream_hashes(workdir))
+  if common.is_fresh(out, chash):
+    return out
+  d = load_task_data(workdir)
+  items, sids = d["items"], d["sids"]
+  with common.atomic_dir(out, chash) as tmp:
+    if tc.tokenizer:
+      tok_path = tc.tokenizer
+    else:
+      tok_path = tok_lib.build_demo_tokenizer(tok_lib.demo_corpus(items), d["sid_tokens"],
+                                              os.path.join(tmp, "tokenizer"), tc.demo_vocab_size)
+    tokenizer = tok_lib.load_tokenizer(tok_path)
+    count_fn = lambda s: len(tokenizer.encode(s, add_special_tokens=False))
+    stats = {"tokenizer": tc.tokenizer or "traces/tokenizer", "splits": {}}
+    examples = {}
+    for split in tc.splits:
+      insert = tc.insert_target if split == "train" else "none"
+      exs, counts = traces_lib.build_examples(d["sequences"], d["candidates"][split], split,
+                                              insert_target=insert, seed=tc.seed)
+      if tc.max_examples:
+        exs = exs[:tc.max_examples]
+      examples[split] = exs
+      stats["splits"][split] = {"examples": counts}
+    # Pre-rank floor per split on the paper's filtered set (target among the candidates).
+    for split in ("train", "valid", "test"):
+      exs, counts = traces_lib.build_examples(d["sequences"], d["candidates"][split], split)
+      stats.setdefault("prerank_floor", {})[split] = dict(
+          metrics_lib.prerank_floor([e["target_pos"] for e in exs], tc.num_candidates),
+          users=counts["users"], target_in_candidates=counts["target_in_candidates"])
+    if tc.traces_path:
+      by_key = {(s, e["example_id"]): e for s, exs in examples.items() for e in exs}
+      with open(tc.traces_path) as f:
+        imported, rej = traces_lib.import_traces(f, by_key, items, sids, tc,
+                                                 source_name=tc.traces_path)
+      stats["import"] = rej
+      traces = {s: [t for t in imported if t["split"] == s] for s in tc.splits}
+    else:
+      traces = {s: [traces_lib.builtin_trace(e, items, sids, tc, count_fn,
+                                             tc.rationale_knows_target) for e in exs]
+                for s, exs in examples.items()}
+    for split, ts in traces.items():
+      for t in ts:
+        t["prompt_text"] = prompts_lib.render_prompt_text(tokenizer, t["messages"],
+                                                          tc.enable_thinking)
+      traces_lib.write_jsonl(os.path.join(tmp, f"{split}.jsonl"), ts)
+      stats["splits"][split].update(traces=len(ts), **trace_stats(ts, tokenizer, items, sids, tc))
+    common.write_json_atomic(os.path.join(tmp, "stats.json"), stats)
+  return out

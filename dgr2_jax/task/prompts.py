@@ -1,0 +1,136 @@
+"""Prompt rendering for the re-ranking task, always through the tokenizer's own chat template.
+
+A prompt is a system message (expert re-ranker role + structured output specification) and a user
+message (the purchase history and the retriever's candidates, each item as SID + metadata).
+Variants: `compact` (SID + short title + leaf category; short prompts for CPU runs) and `full`
+(SID + full title + category path + brand + price for history and candidates, plus a longer
+instruction; towards the paper's ~2200-token prompts with a real Qwen3 tokenizer).
+
+Prompts that are too long for the static prompt length drop history items from the OLDEST side
+(`render_prompt_ids`), never candidates.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+VARIANTS = ("compact", "full")
+
+SYSTEM_COMPACT = (
+    "You are an expert re-ranker for a shopping recommender. Given a user's purchase history "
+    "and candidate items, reason briefly about the user's interests, then rank all candidates.\n"
+    "Output: <think>your reasoning</think> then JSON {\"ranking\": [SID, ...]} listing every "
+    "candidate SID exactly once, best first.")
+
+SYSTEM_FULL = (
+    "You are an expert re-ranker for an e-commerce recommendation system. Each item is identified "
+    "by a semantic identifier (SID) made of four tokens such as <a_1><b_2><c_3><d_0>; items with "
+    "similar SID prefixes are semantically related. You receive a user's purchase history, in "
+    "time order with the most recent purchase last, and a list of candidate items proposed by a "
+    "retrieval model, in the retriever's order. Your task is to predict which candidate the user "
+    "will purchase next and to re-rank all candidates accordingly.\n\n"
+    "Reason step by step before answering. Ground every statement in the item information given: "
+    "compare the candidates with the history by category path, brand and price range, weigh "
+    "recent purchases more than old ones, and consider complementary as well as repeat needs. "
+    "Refer to items by their SIDs exactly as written.\n\n"
+    "Output format (strict):\n"
+    "1. Write your reasoning inside <think> and </think>.\n"
+    "2. Immediately after </think>, output a single JSON object with one key, \"ranking\", whose "
+    "value is a list of candidate SID strings, most likely next purchase first.\n"
+    "3. The ranking must be a permutation of the candidate list: every candidate SID exactly once, "
+    "no duplicates, no omissions, and no SIDs that are not candidates.\n"
+    "4. Output nothing after the JSON object.\n"
+    "Example: <think>...</think>{\"ranking\": [\"<a_1><b_2><c_3><d_0>\", ...]}")
+
+
+def short_title(title: str | None, max_words: int = 6) -> str:
+  words = (title or "").split()
+  return " ".join(words[:max_words]) + (" ..." if len(words) > max_words else "")
+
+
+def _category(item: dict, full: bool) -> str:
+  cats = [c for c in (item.get("categories") or []) if c]
+  if not cats:
+    return "unknown"
+  # The top level ('Beauty') is shared by every item; it carries no signal.
+  cats = cats[1:] if len(cats) > 1 else cats
+  return " > ".join(cats) if full else cats[-1]
+
+
+def item_line(item: dict, sid: str, variant: str, short_words: int = 6) -> str:
+  if variant == "compact":
+    return f"{sid} {short_title(item.get('title'), short_words)} ({_category(item, False)})"
+  parts = [f"{sid}", f"title: {item.get('title') or 'unknown'}",
+           f"category: {_category(item, True)}"]
+  if item.get("brand") and item["brand"] != "Unknown":
+    parts.append(f"brand: {item['brand']}")
+  if item.get("price") is not None:
+    parts.append(f"price: ${float(item['price']):.2f}")
+  return " | ".join(parts)
+
+
+def build_messages(history: Sequence[int], candidates: Sequence[int], items: Sequence[dict],
+                   sids: Sequence[str], variant: str = "compact",
+                   short_words: int = 6) -> list[dict]:
+  """Chat messages (system + user) for one example; history is oldest first."""
+  if variant not in VARIANTS:
+    raise ValueError(f"task.prompt_variant must be one of {VARIANTS}, got {variant!r}")
+  hist = "\n".join(f"{k + 1}. {item_line(items[i], sids[i], variant, short_words)}"
+                   for k, i in enumerate(history))
+  cand = "\n".join(f"{k + 1}. {item_line(items[i], sids[i], variant, short_words)}"
+                   for k, i in enumerate(candidates))
+  if variant == "compact":
+    system = SYSTEM_COMPACT
+    user = f"History (oldest first):\n{hist or '(none)'}\nCandidates:\n{cand}"
+  else:
+    system = SYSTEM_FULL
+    user = (f"Purchase history ({len(history)} items, oldest first, most recent last):\n"
+            f"{hist or '(no earlier purchases)'}\n\n"
+            f"Candidates from the retriever ({len(candidates)} items, retriever order):\n{cand}\n\n"
+            "Re-rank all candidates. Reason inside <think></think>, then output the JSON ranking.")
+  return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def render_prompt_text(tokenizer, messages: list[dict], enable_thinking: bool = True) -> str:
+  """The tokenizer's chat template with the generation prompt (`<|im_start|>assistant\\n`).
+
+  `enable_thinking=True` (Qwen3's default) leaves the think block to the response, which then
+  begins with `<think>`; templates that ignore the flag are unaffected.
+  """
+  return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                       enable_thinking=enable_thinking)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+  return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def render_prompt_ids(tokenizer, history: Sequence[int], candidates: Sequence[int],
+                      items: Sequence[dict], sids: Sequence[str], *, variant: str = "compact",
+                      max_history: int = 20, max_len: int | None = None, short_words: int = 6,
+                      enable_thinking: bool = True) -> tuple[list[int], int]:
+  """Prompt token ids, dropping the oldest history items until it fits `max_len`.
+
+  Returns (ids, n_history_dropped) where the count includes the `max_history` cap. Raises
+  ValueError when even an empty history does not fit.
+  """
+  history = list(history)
+  dropped = max(0, len(history) - max_history) if max_history > 0 else 0
+  history = history[dropped:]
+  while True:
+    msgs = build_messages(history, candidates, items, sids, variant, short_words)
+    ids = encode(tokenizer, render_prompt_text(tokenizer, msgs, enable_thinking))
+    if max_len is None or len(ids) <= max_len:
+      return ids, dropped
+    if not history:
+      raise ValueError(f"prompt with no history is {len(ids)} tokens > task.prompt_len={max_len}")
+    # Drop several at once when far over budget (long histories), one at a time near the edge.
+    step = max(1, min(len(history), (len(ids) - max_len) // 40))
+    history = history[step:]
+    dropped += step
+
+
+def template_texts() -> list[str]:
+  """Fixed prompt texts (for training the demo BPE)."""
+  return [SYSTEM_COMPACT, SYSTEM_FULL, "History (oldest first):", "Candidates:",
+          "Purchase history", "Candidates from the retriever", "title: category: brand: price:"]

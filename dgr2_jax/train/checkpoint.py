@@ -1,0 +1,49 @@
+"""Training checkpoints (Orbax): train state + data-iterator state, periodic async saves, keep-N.
+
+Layout: `<workdir>/checkpoints/<step>/{state,data}`. `state` is the train-state dict
+{"params", "opt_state", "step", "rng"} (StandardSave, restored straight into the target shardings);
+`data` is the batch iterator's `get_state()` dict as JSON (grain iterators provide it; so does any
+iterator with `get_state()/set_state(dict)`). Orbax writes into a temporary directory and renames it
+on commit, so a run killed mid-save leaves the previous checkpoint as the latest one.
+
+This is the resumable *training* state; the model directory a stage hands to later stages is
+written by `dgr2_jax.model.checkpoint.save_model_dir`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+
+def make_manager(workdir: str, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
+  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+  options = ocp.CheckpointManagerOptions(max_to_keep=int(keep), create=True,
+                                         enable_async_checkpointing=bool(async_save))
+  return ocp.CheckpointManager(directory, options=options, item_names=("state", "data"))
+
+
+def save(manager: ocp.CheckpointManager, step: int, state, data_state: dict | None) -> None:
+  """Starts an (async) save of `state` and the iterator state at `step`; returns once the arrays
+  are copied off the device, so the caller may donate/overwrite them."""
+  manager.save(int(step), args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state or {})), force=True)
+
+
+def latest_step(manager: ocp.CheckpointManager) -> int | None:
+  return manager.latest_step()
+
+
+def restore(manager: ocp.CheckpointManager, step: int, abstract_state=None):
+  """-> (state placed with the shardings of `abstract_state` (None: as saved), data-iterator state)."""
+  out = manager.restore(int(step), args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+  return out["state"], dict(out["data"] or {})
+
+
+def abstract_like(tree, shardings):
+  """ShapeDtypeStructs (with shardings) describing `tree` (arrays or ShapeDtypeStructs)."""
+  return jax.tree_util.tree_map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)

@@ -1,0 +1,62 @@
+"""Config section defaults owned by the training core: `config.train` (loop, optimiser, mesh,
+checkpoints, logging) with one sub-section per stage that trains (`train.sft`, ...).
+
+The lead assembles this into `configs/*.py`; `loop.train` reads only `config.train` and
+`config.seed`.
+"""
+
+import ml_collections
+
+# Logical axis name -> mesh axes (MaxText style). A parameter/batch dimension tagged with a logical
+# name is sharded over these mesh axes when its size is divisible by their product, else
+# replicated (see `mesh.logical_to_spec`). 'length' and None are never sharded.
+DEFAULT_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("embed", ("fsdp",)),
+    ("heads", ("tensor",)),
+    ("mlp", ("tensor",)),
+    ("vocab", ("tensor",)),
+    ("length", ()),
+)
+
+
+def train_config() -> ml_collections.ConfigDict:
+  """Defaults for `config.train`."""
+  c = ml_collections.ConfigDict()
+  c.total_steps = 100  # optimiser steps (each sees `batch_size` examples)
+  c.batch_size = 8  # global batch (all hosts, all micro-batches); divisible by mesh data*fsdp
+  c.grad_accum_steps = 1  # micro-batches per step; batch_size must be divisible by it
+  # Master weights are kept in this dtype; the compute dtype is the model config's `dtype`
+  # (e.g. model.dtype='bfloat16' with train.param_dtype='float32' = mixed precision).
+  c.param_dtype = "float32"
+
+  o = ml_collections.ConfigDict()
+  o.peak_lr = 1e-4
+  o.warmup_steps = 10
+  o.schedule = "cosine"  # 'cosine' (to end_lr_frac * peak_lr at total_steps) | 'constant'
+  o.end_lr_frac = 0.1
+  o.b1 = 0.9
+  o.b2 = 0.95
+  o.eps = 1e-8
+  o.weight_decay = 0.0  # decoupled (AdamW); applied to matrices only, not norms/biases
+  o.clip_norm = 1.0  # global-norm gradient clipping; 0 disables
+  c.optimizer = o
+
+  m = ml_collections.ConfigDict()
+  m.data = -1  # -1: all devices not used by the other axes
+  m.fsdp = 1
+  m.tensor = 1
+  c.mesh = m
+  c.logical_axis_rules = DEFAULT_RULES
+
+  c.checkpoint_every = 50  # steps; the final step is always saved
+  c.keep_checkpoints = 2
+  c.async_checkpointing = True
+  c.log_every = 1  # steps between metric records (JSONL/TensorBoard); the progress bar is per step
+  c.tensorboard = True
+
+  s = ml_collections.ConfigDict()
+  s.reasoning_weight = 1.0  # loss weight of tokens in <think>...</think>
+  s.answer_weight = 1.0  # loss weight of the answer tokens (JSON ranking + EOS)
+  c.sft = s
+  return c

