@@ -134,6 +134,14 @@ def test_load_model_dir_casts(tmp_path):
   config, params = checkpoint.load_model_dir(hf_in, dtype="float32")
   assert config.param_dtype == "float32"
   assert {np.dtype(a.dtype) for a in checkpoint.flatten(params).values()} == {np.dtype(np.float32)}
+  ours = str(tmp_path / "ours")
+  checkpoint.save_model_dir(ours, config, params)
+  config2, params2 = checkpoint.load_model_dir(ours, dtype="bfloat16")
+  assert config2.param_dtype == "bfloat16"
+  for path, leaf in checkpoint.flatten(params2).items():
+    assert leaf.dtype == np.dtype("bfloat16"), path
+    # f32 copies of bf16 weights cast back exactly.
+    np.testing.assert_array_equal(leaf.astype(np.float32), checkpoint.flatten(params)[path])
 
 
 # ---- vocabulary extension + CLI -----------------------------------------------------------------

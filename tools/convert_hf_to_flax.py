@@ -53,7 +53,7 @@ def main(argv):
           dtype=FLAGS.dtype, overwrite=FLAGS.overwrite)
       out = FLAGS.flax_dir
   except (ValueError, FileNotFoundError, FileExistsError) as e:
-    sys.exit(f"error: {e}")
+    sys.exit("error: " + " ".join(str(e).split("\n")))
   print(f"wrote {out}: vocab_size={config.vocab_size} param_dtype={config.param_dtype} "
         f"mask_token_id={config.mask_token_id} block_size={config.block_size} "
         f"attention={config.attention}")

@@ -8,7 +8,7 @@ final LN; the score of item i is <h_t, E_i> with the shared input embedding.
 Training on the train split only (each user's seq[:-2]: every prefix predicts its next item), with
 either softmax cross-entropy over all items ('ce', what reaches the published numbers in few epochs)
 or the original binary cross-entropy with one sampled negative per position ('bce'). Users are
-bucketed by length (8/16/32/max_len) so short sequences do not pay for padding. Early stopping on
+bucketed by length (4/8/12/16/24/32/max_len) so short sequences do not pay for padding. Early stopping on
 validation NDCG@10; the best parameters are kept.
 
 Evaluation: full ranking over all items with the user's history (the split's input) excluded;
@@ -73,8 +73,11 @@ class SASRec(nn.Module):
     return self.item_emb.embedding[1:]
 
 
+_BUCKETS = (4, 8, 12, 16, 24, 32)  # 1.3x the real positions on Beauty (1.8x with 8/16/32)
+
+
 def _bucket_len(n: int, max_len: int) -> int:
-  for b in (8, 16, 32):
+  for b in _BUCKETS:
     if n <= b and b < max_len:
       return b
   return max_len

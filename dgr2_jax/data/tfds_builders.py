@@ -9,15 +9,13 @@ next to the module (that probe imports `importlib_resources`, absent here), feat
 index order so record k of a split is user / item k.
 
 Splits (leave-one-out, per user, time ordered):
-  items:      item, raw_id, asin, title, brand ('' = none), categories, price (NaN = none)
+  items:      item, raw_id, asin, title, brand ('' = none), categories, price (text; '' = none)
   train:      user, raw_user, history = seq[:-3], target = seq[-3]   (train inputs are seq[:-2])
   validation: user, raw_user, history = seq[:-2], target = seq[-2]
   test:       user, raw_user, history = seq[:-1], target = seq[-1], timestamps (whole sequence)
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -41,7 +39,8 @@ def _features():
       "title": tfds.features.Text(),
       "brand": tfds.features.Text(),
       "categories": tfds.features.Sequence(tfds.features.Text()),
-      "price": tfds.features.Scalar(np.float64),
+      # Text, because tf.train.Example stores floats as float32 (3.04 would come back 3.0399...).
+      "price": tfds.features.Text(),
   }
   # One FeaturesDict for all splits (TFDS requires one); unused fields are empty.
   return tfds.features.FeaturesDict({**user, **item})
@@ -54,7 +53,7 @@ def _empty_user():
 
 def _empty_item():
   return {"item": -1, "raw_id": "", "asin": "", "title": "", "brand": "", "categories": [],
-          "price": math.nan}
+          "price": ""}
 
 
 class _SeqRecBuilder(tfds.core.GeneratorBasedBuilder):
@@ -92,7 +91,7 @@ class _SeqRecBuilder(tfds.core.GeneratorBasedBuilder):
         yield it["item"], {**_empty_user(), "item": it["item"], "raw_id": it["raw_id"],
                            "asin": it["asin"], "title": it["title"], "brand": it["brand"] or "",
                            "categories": it["categories"],
-                           "price": math.nan if it["price"] is None else it["price"]}
+                           "price": "" if it["price"] is None else repr(float(it["price"]))}
       return
     cut = {"train": 3, "validation": 2, "test": 1}[split]
     for u, (raw, seq, ts) in enumerate(zip(p["users"], p["sequences"], p["timestamps"])):

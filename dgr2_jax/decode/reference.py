@@ -2,7 +2,7 @@
 
 It exists to check `sampler.generate` (the jitted decoder) commit for commit. It follows
 ../shared/design/block-diffusion.md literally: at every denoising step it runs the full forward over
-`[prompt | blocks < j (clean) | canvas of block j]` with the single-stream block-causal mask, reads
+`[prompt | blocks < j (clean) | canvas of block j | later blocks]` with the single-stream block-causal mask, reads
 the prediction for response index r from slot P + r - 1, and applies the commit rule in Python.
 """
 
@@ -51,8 +51,9 @@ def reference_decode(model_config, params, prompts, dc: DecodeConfig, rng=None, 
                 and j * bs + i < eos_pos[row]] for row in range(b)]
       if not any(cands):
         break
-      length = p + (j + 1) * bs
-      seq = np.concatenate([tokens, canvas[:, :(j + 1) * bs]], axis=1)
+      # The whole sequence, later blocks included (still masks): the block-causal mask hides them.
+      length = p + r
+      seq = np.concatenate([tokens, canvas], axis=1)
       valid = masks.left_pad_valid(lengths, p, length)
       mask = masks.sequence_mask(p, length, bs, valid)
       pos = masks.left_pad_positions(lengths, p, length)

@@ -79,6 +79,18 @@ def left_pad(prompts: Sequence[Sequence[int]], max_prompt_len: int, pad_id: int)
   return tokens, lengths
 
 
+def window_forward(config, params, tokens, start, cache, slot_ids, key_valid, positions):
+  """Forward of a window of slots [start, start + W) against (and into) the KV cache.
+
+  tokens [B,W]; slot_ids [S]; key_valid, positions [B,S]. Single-stream block-causal mask.
+  """
+  width = tokens.shape[1]
+  q_ids = jax.lax.dynamic_slice_in_dim(slot_ids, start, width)
+  pos = jax.lax.dynamic_slice_in_dim(positions, start, width, axis=1)
+  mask = masks.block_causal_mask(q_ids, slot_ids, key_valid)         # [B,W,S]
+  return qwen3.forward(config, params, tokens, pos, mask, cache, start)
+
+
 def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids: tuple,
             mask_id: int, params, prompt_tokens, prompt_len, threshold, temperature, top_k, top_p, rng):
   c, bsz = model_config, block_size
@@ -92,11 +104,7 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
   row_keys = jax.random.split(rng, b)
 
   def run(tokens, start, cache):
-    width = tokens.shape[1]
-    q_ids = jax.lax.dynamic_slice_in_dim(slot_ids, start, width)
-    pos = jax.lax.dynamic_slice_in_dim(positions, start, width, axis=1)
-    mask = masks.block_causal_mask(q_ids, slot_ids, key_valid)       # [B,W,S]
-    return qwen3.forward(c, params, tokens, pos, mask, cache, start)
+    return window_forward(c, params, tokens, start, cache, slot_ids, key_valid, positions)
 
   cache = qwen3.init_cache(c, b, s)
   logits, cache = run(prompt_tokens, 0, cache)
@@ -126,8 +134,12 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
       lg, cache = run(canvas, p + j * bsz, cache)
       return jnp.concatenate([carry[:, None], lg[:, :bsz - 1]], 1), carry, cache
 
-    use_fused = st["first"] & (j > 0)
-    preds, carry, cache = jax.lax.cond(use_fused, fused, canvas_only, (st["carry"], st["cache"]))
+    if num_blocks == 1:  # a single block never writes K/V of a previous one
+      use_fused = jnp.bool_(False)
+      preds, carry, cache = canvas_only((st["carry"], st["cache"]))
+    else:
+      use_fused = st["first"] & (j > 0)
+      preds, carry, cache = jax.lax.cond(use_fused, fused, canvas_only, (st["carry"], st["cache"]))
     ran = use_fused | (bsz > 1)
     return preds, carry, cache, ran
 

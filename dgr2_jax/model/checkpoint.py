@@ -356,6 +356,17 @@ def _checkpointer():
   return ocp.PyTreeCheckpointer()
 
 
+def _save_checkpointer():
+  """Saves host numpy arrays in place: Orbax's default deep-copies every host array first (2x the
+  weights in memory) and compresses into more buffers; bf16 weights barely compress anyway."""
+  import orbax.checkpoint as ocp
+  th = ocp.type_handlers
+  registry = th.create_type_handler_registry(
+      (np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False)))
+  return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry,
+                                                      use_compression=False))
+
+
 def _orbax_meta(path: str) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
   pdir = os.path.join(path, PARAMS_DIR)
   try:
@@ -414,24 +425,21 @@ def load_model_dir(path: str, dtype=None, progress: bool = False) -> tuple[Qwen3
   return _load_hf(path, dtype, progress) if fmt == "hf" else _load_ours(path, dtype)
 
 
-def _config_json(config: Qwen3Config) -> dict:
-  return config.to_hf_dict()
-
-
 def save_model_dir(path: str, config: Qwen3Config, params: dict, tokenizer_src=None,
                    overwrite: bool = False) -> str:
-  """Writes our format: `params/` (Orbax) + `config.json` (HF form, "dgr2" block) + tokenizer."""
+  """Writes our format: `params/` (Orbax) + `config.json` (HF form, "dgr2" block) + tokenizer.
+
+  `params`: numpy or (host-fetchable) jax arrays; each keeps its dtype.
+  """
+  import orbax.checkpoint as ocp
   _check_params(path, config, params)
+  # Host numpy leaves (jax arrays are fetched to host one by one; numpy ones are not copied).
+  params = unflatten({p: np.asarray(a) for p, a in flatten(params).items()})
   with _atomic_output(path, overwrite) as tmp:
-    _checkpointer().save(os.path.join(tmp, PARAMS_DIR), args=_save_args(params))
-    _write_json(os.path.join(tmp, CONFIG_FILE), _config_json(config))
+    _save_checkpointer().save(os.path.join(tmp, PARAMS_DIR), args=ocp.args.PyTreeSave(params))
+    _write_json(os.path.join(tmp, CONFIG_FILE), config.to_hf_dict())
     _write_tokenizer(tmp, tokenizer_src)
   return path
-
-
-def _save_args(params):
-  import orbax.checkpoint as ocp
-  return ocp.args.PyTreeSave(params)
 
 
 def _check_params(path: str, config: Qwen3Config, params: dict) -> None:
@@ -502,7 +510,7 @@ def _write_hf(out_dir: str, config: Qwen3Config, dtypes: dict[str, np.dtype],
     _write_json(os.path.join(out_dir, INDEX_FILE),
                 {"metadata": {"total_size": sum(r[-1] for r in rows)}, "weight_map": weight_map})
   getattr(bar, "close", lambda: None)()
-  d = _config_json(config)
+  d = config.to_hf_dict()
   d["torch_dtype"] = _DTYPE_NAMES[dtypes["embed_tokens/embedding"]]
   _write_json(os.path.join(out_dir, CONFIG_FILE), d)
 

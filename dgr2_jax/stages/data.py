@@ -8,7 +8,6 @@ Outputs: `data/tfds/` (the TFDS build), `data/stats.json` (users, items, interac
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 
@@ -50,11 +49,11 @@ def run(config, workdir: str) -> dict:
     seqs = [[int(i) for i in r["history"]] + [int(r["target"])] for r in test]
     item_dicts = []
     for r in items:
-      price = float(r["price"])
+      price = r["price"].decode()
       item_dicts.append({
           "item": int(r["item"]), "title": r["title"].decode(), "brand": r["brand"].decode() or None,
           "categories": [c.decode() for c in r["categories"]],
-          "price": None if math.isnan(price) else price,
+          "price": float(price) if price else None,
           "raw_id": r["raw_id"].decode(), "asin": r["asin"].decode()})
     if [d["item"] for d in item_dicts] != list(range(len(items))) or [
         int(r["user"]) for r in test] != list(range(len(test))):

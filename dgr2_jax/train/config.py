@@ -58,5 +58,6 @@ def train_config() -> ml_collections.ConfigDict:
   s = ml_collections.ConfigDict()
   s.reasoning_weight = 1.0  # loss weight of tokens in <think>...</think>
   s.answer_weight = 1.0  # loss weight of the answer tokens (JSON ranking + EOS)
+  s.epochs = 0  # > 0: train.total_steps = epochs * train examples // batch_size
   c.sft = s
   return c

@@ -1,0 +1,178 @@
+"""The full config tree every stage reads, assembled from each package's section defaults.
+
+Sections: `data`, `sids`, `retriever` (dgr2_jax.data.config), `task`, `eval` (dgr2_jax.task.config),
+`train` (dgr2_jax.train.config), and the ones defined here: `model`, `decode`, `cft`, `opd`, `rl`,
+`bench`, `pipeline`, `hardware`. Presets (`demo.py`, `beauty_*.py`) start from `get_config()` and
+override fields; `apply_variants(config, arg)` implements the ablation presets selected with the
+`file.py:arg` convention of `ml_collections.config_flags` (e.g. `configs/demo.py:no_cft,block8`).
+
+Config files are loaded by path, not imported as a package, so each preset puts the repository
+root on sys.path before `from configs import base` (works from any working directory).
+"""
+
+import ml_collections
+
+from dgr2_jax.data import config as data_config
+from dgr2_jax.task import config as task_config
+from dgr2_jax.train import config as train_config
+# Stage order of `--config.stage=pipeline` (generate is a standalone tool, not a pipeline step).
+from dgr2_jax.stages.pipeline import ORDER as PIPELINE_STAGES
+
+
+def model_config() -> ml_collections.ConfigDict:
+  """The AR re-ranker the SFT stage starts from.
+
+  `init_from` '' => random init of the architecture below with the tokenizer's vocabulary
+  (`vocab_size` 0 = len(tokenizer)); a model directory (HF or ours) => its config.json and weights
+  (the architecture fields below are then ignored).
+  """
+  c = ml_collections.ConfigDict()
+  c.init_from = ""
+  c.vocab_size = 0
+  c.hidden_size = 64
+  c.intermediate_size = 128
+  c.num_hidden_layers = 2
+  c.num_attention_heads = 4
+  c.num_key_value_heads = 2
+  c.head_dim = 16
+  c.rms_norm_eps = 1e-6
+  c.rope_theta = 1_000_000.0
+  c.tie_word_embeddings = True
+  c.max_position_embeddings = 4096
+  c.dtype = "float32"        # activations / matmuls
+  c.param_dtype = "float32"  # stored parameters (master weights: train.param_dtype)
+  c.remat = False
+  return c
+
+
+def decode_config() -> ml_collections.ConfigDict:
+  """Block-diffusion decoding (dgr2_jax.decode.sampler.DecodeConfig); block_size 1 = AR."""
+  c = ml_collections.ConfigDict()
+  c.block_size = 32
+  c.threshold = 0.9
+  c.temperature = 0.0
+  c.top_k = 0
+  c.top_p = 1.0
+  c.max_new_tokens = 256
+  return c
+
+
+def cft_config() -> ml_collections.ConfigDict:
+  """Conversion fine-tuning (dgr2_jax.train.cft)."""
+  c = ml_collections.ConfigDict()
+  c.epochs = 3
+  c.block_size = 32
+  c.loss_weighting = "1/t"  # '1/t' (masked-diffusion ELBO) | 'none'
+  c.eps = 1e-3              # t ~ U(eps, 1)
+  c.complementary_mask = False
+  c.reasoning_weight = 1.0
+  c.answer_weight = 1.0
+  return c
+
+
+def opd_config() -> ml_collections.ConfigDict:
+  """On-policy distillation from the AR teacher on the student's own rollouts."""
+  c = ml_collections.ConfigDict()
+  c.rollouts_per_prompt = 4  # G'
+  c.lr = 1e-6
+  c.prompts_per_step = 128
+  c.epochs = 1
+  c.teacher_top_k = 0        # 0 = full-vocabulary teacher distribution
+  c.teacher = "ar"           # 'ar' (the SFT model)
+  return c
+
+
+def rl_config() -> ml_collections.ConfigDict:
+  """Trajectory-level GRPO against the re-ranking reward."""
+  c = ml_collections.ConfigDict()
+  c.group_size = 8           # G
+  c.lr = 5e-7
+  c.steps = 600
+  c.alpha = 0.2              # reward mix
+  c.clip_eps = 0.2
+  c.clip_eps_high = 0.2
+  c.kl_coef = 0.0
+  return c
+
+
+def bench_config() -> ml_collections.ConfigDict:
+  """Speed/accuracy frontier (dgr2_jax.stages.bench)."""
+  c = ml_collections.ConfigDict()
+  c.thresholds = (1.0, 0.9, 0.6, 0.4)
+  c.block_sizes = (32,)
+  c.include_ar = True        # the AR row (block 1, the SFT model): the speedup reference
+  c.model_dir = ""           # '' => the last model stage of pipeline.stages (rl/opd/cft/convert)
+  c.ar_model_dir = ""        # '' => workdir/sft/model
+  c.split = ""               # '' => eval.split
+  c.max_examples = 0         # 0 => eval.max_examples
+  c.batch_size = 0           # 0 => eval.batch_size
+  return c
+
+
+def pipeline_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.stages = PIPELINE_STAGES  # ablations drop entries; the order is fixed
+  return c
+
+
+def hardware_config() -> ml_collections.ConfigDict:
+  """What the dry run plans for (launch/dry_run.py): no devices are needed to plan."""
+  c = ml_collections.ConfigDict()
+  c.num_devices = 0          # 0 => jax.device_count()
+  c.device_memory_gb = 0.0   # 0 => unknown (no fit check)
+  return c
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.stage = "pipeline"
+  c.seed = 0
+  c.dry_run = False
+  c.data = data_config.data_config()
+  c.sids = data_config.sids_config()
+  c.retriever = data_config.retriever_config()
+  c.task = task_config.task_config()
+  c.eval = task_config.eval_config()
+  c.train = train_config.train_config()
+  c.model = model_config()
+  c.decode = decode_config()
+  c.cft = cft_config()
+  c.opd = opd_config()
+  c.rl = rl_config()
+  c.bench = bench_config()
+  c.pipeline = pipeline_config()
+  c.hardware = hardware_config()
+  return c
+
+
+# ---- ablation presets ---------------------------------------------------------------------------
+def _drop(config, *stages):
+  config.pipeline.stages = tuple(s for s in config.pipeline.stages if s not in stages)
+
+
+def _block(config, b: int):
+  config.cft.block_size = b
+  config.decode.block_size = b
+  config.bench.block_sizes = (b,)
+
+
+VARIANTS = {
+    "": lambda c: None,
+    "full": lambda c: None,
+    "no_cft": lambda c: _drop(c, "cft"),          # naive conversion -> OPD -> RL
+    "cft_only": lambda c: _drop(c, "opd", "rl"),
+    "opd_no_rl": lambda c: _drop(c, "rl"),
+    "rl_no_opd": lambda c: _drop(c, "opd"),
+    "weight_none": lambda c: setattr(c.cft, "loss_weighting", "none"),
+    "complementary": lambda c: setattr(c.cft, "complementary_mask", True),
+    **{f"block{b}": (lambda c, b=b: _block(c, b)) for b in (4, 8, 16, 32, 64)},
+}
+
+
+def apply_variants(config, arg) -> ml_collections.ConfigDict:
+  """Applies comma-separated ablation presets (`no_cft,block8`); unknown names fail."""
+  for name in [a.strip() for a in (arg or "").split(",")]:
+    if name not in VARIANTS:
+      raise ValueError(f"unknown config preset {name!r}; known: {sorted(k for k in VARIANTS if k)}")
+    VARIANTS[name](config)
+  return config

@@ -1,0 +1,159 @@
+"""Results tables: the accuracy ladder and the speed/accuracy frontier (Markdown + JSON + PNG).
+
+`workdir/results/accuracy.{md,json}`: one row per method of the ladder (pre_rank, ar, naive, cft,
+cft_opd, cft_opd_rl; methods of ablated stages are absent) with the eval metric keys.
+`workdir/results/frontier.{md,json,png}`: one row per (block_size, threshold) plus the AR row, with
+recall@1, valid_rate, tokens_per_s, nfe_per_seq, speedup (tokens/s over AR) and nfe_speedup; the
+PNG plots Recall@1 against speedup. Every JSON carries the machine, library versions and the
+config hash, so a table is never separated from what produced it. Files are written atomically.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from typing import Sequence
+
+from dgr2_jax.stages import common
+
+ACCURACY_COLUMNS = ("method", "recall@1", "recall@3", "ndcg@3", "valid_rate", "duplicate_rate",
+                    "omission_rate", "out_of_set_rate", "unparseable_rate", "fallback_rate",
+                    "mean_nfe", "mean_reasoning_tokens", "n")
+FRONTIER_COLUMNS = ("block_size", "threshold", "recall@1", "valid_rate", "tokens_per_s",
+                    "nfe_per_seq", "speedup", "nfe_speedup", "n")
+
+
+def machine_info() -> dict:
+  info = {"platform": platform.platform(), "python": platform.python_version(),
+          "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
+  try:
+    import psutil
+    info["memory_gb"] = round(psutil.virtual_memory().total / 2**30, 1)
+  except ImportError:
+    pass
+  try:
+    import jax
+    devs = jax.devices()
+    info.update(backend=jax.default_backend(), device_count=len(devs),
+                device_kind=devs[0].device_kind if devs else None)
+  except Exception as e:  # pylint: disable=broad-except  (no backend: still write the table)
+    info["backend_error"] = str(e)
+  return info
+
+
+def versions() -> dict:
+  out = {}
+  for name in ("jax", "jaxlib", "flax", "optax", "orbax.checkpoint", "transformers", "numpy"):
+    try:
+      module = __import__(name, fromlist=["__version__"])
+      out[name] = getattr(module, "__version__", "?")
+    except ImportError:
+      out[name] = None
+  return out
+
+
+def meta(config_hash: str, **extra) -> dict:
+  return {"config_hash": config_hash, "machine": machine_info(), "versions": versions(),
+          "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          **extra}
+
+
+def _fmt(v) -> str:
+  if v is None:
+    return "-"
+  if isinstance(v, bool):
+    return str(v)
+  if isinstance(v, int):
+    return str(v)
+  if isinstance(v, float):
+    return f"{v:.4f}" if abs(v) < 10 else f"{v:.1f}"
+  return str(v)
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+  for r in rows:
+    lines.append("| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def _header(title: str, m: dict) -> str:
+  mc = m.get("machine", {})
+  return (f"# {title}\n\nconfig hash `{m.get('config_hash')}`; {mc.get('backend', '?')} x"
+          f"{mc.get('device_count', '?')} ({mc.get('device_kind', '?')}), {mc.get('platform')}; "
+          f"jax {m.get('versions', {}).get('jax')}; written {m.get('written')}\n\n")
+
+
+def _write_text(path: str, text: str) -> None:
+  import tempfile
+  d = os.path.dirname(os.path.abspath(path))
+  os.makedirs(d, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", dir=d)
+  try:
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except BaseException:
+    os.remove(tmp)
+    raise
+
+
+def write_accuracy(out_dir: str, rows: Sequence[dict], m: dict) -> dict:
+  """accuracy.{md,json}; returns the JSON object."""
+  for r in rows:
+    if "method" not in r:
+      raise ValueError(f"accuracy row without 'method': {r}")
+  obj = {**m, "rows": list(rows)}
+  common.write_json_atomic(os.path.join(out_dir, "accuracy.json"), obj)
+  _write_text(os.path.join(out_dir, "accuracy.md"),
+              _header("Accuracy ladder", m) + markdown_table(rows, ACCURACY_COLUMNS))
+  return obj
+
+
+def plot_frontier(rows: Sequence[dict], path: str) -> None:
+  """Recall@1 vs speedup, one line per block size (AR: the reference point at speedup 1)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(5.5, 4))
+  by_block = {}
+  for r in rows:
+    by_block.setdefault(r["block_size"], []).append(r)
+  for b, rs in sorted(by_block.items()):
+    rs = sorted(rs, key=lambda r: r["speedup"] or 0.0)
+    xs = [r["speedup"] for r in rs]
+    ys = [r["recall@1"] for r in rs]
+    if b == 1:
+      ax.scatter(xs, ys, marker="*", s=120, color="k", label="AR (B=1)", zorder=3)
+      continue
+    ax.plot(xs, ys, marker="o", label=f"B={b}")
+    for r in rs:
+      ax.annotate(f"τ={r['threshold']:g}", (r["speedup"], r["recall@1"]), fontsize=7,
+                  xytext=(3, 3), textcoords="offset points")
+  ax.set_xlabel("decode speedup over AR (tokens/s ratio)")
+  ax.set_ylabel("Recall@1")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  d = os.path.dirname(os.path.abspath(path))
+  os.makedirs(d, exist_ok=True)
+  tmp = os.path.join(d, "." + os.path.basename(path) + ".tmp.png")
+  fig.savefig(tmp, dpi=120)
+  plt.close(fig)
+  os.replace(tmp, path)
+
+
+def write_frontier(out_dir: str, rows: Sequence[dict], m: dict) -> dict:
+  """frontier.{md,json,png}; returns the JSON object."""
+  for r in rows:
+    for k in ("block_size", "threshold", "recall@1", "speedup"):
+      if k not in r:
+        raise ValueError(f"frontier row without {k!r}: {r}")
+  obj = {**m, "rows": list(rows)}
+  common.write_json_atomic(os.path.join(out_dir, "frontier.json"), obj)
+  _write_text(os.path.join(out_dir, "frontier.md"),
+              _header("Speed / accuracy frontier", m) + markdown_table(rows, FRONTIER_COLUMNS))
+  plot_frontier(rows, os.path.join(out_dir, "frontier.png"))
+  return obj

@@ -1,0 +1,138 @@
+"""Stage `pipeline`: every stage of `config.pipeline.stages` in order, then the results tables.
+
+Each stage skips itself when its output in the workdir is fresh (same config hash), so rerunning
+the pipeline after a change redoes only what the change reaches. Model stages write
+`workdir/<stage>/model`; the chain is sft (AR teacher) -> convert (naive block diffusion) -> cft
+-> opd -> rl, and an ablation that drops a stage makes the next one start from the previous model
+that exists (`previous_model_stage`).
+
+The pipeline's `eval` step is the accuracy ladder: the eval stage once per model in the chain,
+AR decoding (block 1) for the SFT teacher and `config.decode` for the diffusion models, into
+`workdir/eval/<method>/`, summarised in `workdir/results/accuracy.{md,json}` (with the pre-rank
+floor of the same examples). The `bench` step writes `workdir/results/frontier.*`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from dgr2_jax.stages import common
+
+ORDER = ("data", "sids", "retriever", "traces", "sft", "convert", "cft", "opd", "rl", "eval",
+         "bench")
+MODEL_STAGES = ("sft", "convert", "cft", "opd", "rl")
+# Ladder method name of each diffusion training stage (prefixed by the earlier ones present).
+_TRAINED = ("cft", "opd", "rl")
+
+
+def model_dir(workdir: str, stage: str) -> str:
+  return os.path.join(workdir, stage, "model")
+
+
+def enabled_stages(config) -> tuple:
+  return tuple(config.pipeline.stages) if "pipeline" in config else ORDER
+
+
+def previous_model_stage(config, stage: str) -> str:
+  """The model stage `stage` starts from: the last enabled model stage before it."""
+  if stage not in MODEL_STAGES:
+    raise ValueError(f"{stage!r} is not a model stage ({MODEL_STAGES})")
+  on = enabled_stages(config)
+  # sft counts even when dropped from the list: its model may come from an earlier run.
+  before = [s for s in MODEL_STAGES[:MODEL_STAGES.index(stage)] if s in on or s == "sft"]
+  if not before:
+    raise ValueError(f"stage {stage!r} has no model stage before it")
+  return before[-1]
+
+
+def previous_model_dir(config, workdir: str, stage: str) -> str:
+  """`workdir/<previous model stage>/model`; FileNotFoundError when it was not built."""
+  prev = previous_model_stage(config, stage)
+  path = model_dir(workdir, prev)
+  if common.read_done(common.stage_dir(workdir, prev)) is None or not os.path.isdir(path):
+    raise FileNotFoundError(f"{path} is not built: run the {prev!r} stage before {stage!r}")
+  return path
+
+
+def ladder_methods(config) -> list[tuple[str, str]]:
+  """[(method, model stage)] of the accuracy ladder for the enabled stages, in order."""
+  on = enabled_stages(config)
+  out = []
+  if "sft" in on:
+    out.append(("ar", "sft"))
+  if "convert" in on:
+    out.append(("naive", "convert"))
+  chain = []
+  for s in _TRAINED:
+    if s in on:
+      chain.append(s)
+      out.append(("_".join(chain), s))
+  return out
+
+
+def final_model_stage(config) -> str | None:
+  """The last model stage of the chain (what the frontier benchmarks)."""
+  on = [s for s in MODEL_STAGES if s in enabled_stages(config) and s != "sft"]
+  return on[-1] if on else None
+
+
+def method_config(config, workdir: str, method: str, stage: str):
+  """Copy of `config` for evaluating `stage`'s model as ladder row `method`."""
+  c = config.copy_and_resolve_references()
+  done = common.read_done(common.stage_dir(workdir, stage)) or {}
+  with c.unlocked():
+    c.stage = "eval"
+    c.eval.model_dir = model_dir(workdir, stage)
+    c.eval.name = method
+    c.eval.output_dir = ""
+    # The eval stage hashes read_done(model_dir), which is the stage dir's DONE.json one level
+    # up; recording the model stage's hash here makes a retrained model re-evaluate.
+    c.eval.model_hash = done.get("config_hash")
+    if stage == "sft":  # the AR teacher decodes left to right
+      c.decode.block_size = 1
+      c.decode.threshold = 1.0
+  return c
+
+
+def run_ladder(config, workdir: str) -> dict:
+  """Evaluates every model of the chain that exists and writes the accuracy tables."""
+  from dgr2_jax import results
+  from dgr2_jax.stages import eval as eval_stage
+  rows, hashes, floor = [], [], None
+  for method, stage in ladder_methods(config):
+    if common.read_done(common.stage_dir(workdir, stage)) is None:
+      print(f"pipeline: no {stage!r} model in {workdir}; ladder row {method!r} skipped", flush=True)
+      continue
+    out = eval_stage.run(method_config(config, workdir, method, stage), workdir)
+    m = _read_json(os.path.join(out, "metrics.json"))
+    hashes.append(common.read_done(out)["config_hash"])
+    if floor is None and m.get("prerank_floor"):
+      floor = {"method": "pre_rank", **m["prerank_floor"]}
+    rows.append({"method": method, "model_dir": model_dir(workdir, stage),
+                 "decode": m.get("decode"), **{k: v for k, v in m.items()
+                                               if k not in ("decode", "prerank_floor", "examples")}})
+  if floor is not None:
+    rows.insert(0, floor)
+  obj = results.write_accuracy(os.path.join(workdir, "results"), rows,
+                               results.meta(common.config_hash(hashes)))
+  return obj
+
+
+def _read_json(path: str) -> dict:
+  import json
+  with open(path) as f:
+    return json.load(f)
+
+
+def run(config, workdir: str) -> dict:
+  """Runs the enabled stages in order; returns {stage: its return value}."""
+  from dgr2_jax import main as main_lib
+  out = {}
+  stages = enabled_stages(config)
+  for i, s in enumerate(stages):
+    print(f"pipeline: [{i + 1}/{len(stages)}] {s}", flush=True)
+    if s == "eval":
+      out[s] = run_ladder(config, workdir)
+    else:
+      out[s] = main_lib.stage_fn(s)(config, workdir)
+  return out

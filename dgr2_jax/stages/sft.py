@@ -1,0 +1,98 @@
+"""Stage `sft`: trains the AR teacher (next-token loss on the assistant message) -> `workdir/sft/`.
+
+Reads `config.model` (init: `model.init_from` model dir, or a fresh init of the architecture fields
+with `vocab_size` 0 = the tokenizer's size), `config.train` (+ `train.sft`), `config.task` and the
+traces stage's output (`workdir/traces/<split>.jsonl`, tokenised by `dgr2_jax.task.pipeline`).
+Writes `workdir/sft/model` (`dgr2_jax.model.checkpoint.save_model_dir`, with the tokenizer),
+`workdir/sft/train/` (checkpoints, metrics.jsonl, tensorboard) and DONE.json.
+
+While training, `workdir/sft/train/` is the live (resumable) training directory: a killed run
+resumes from its latest checkpoint when rerun with the same config (a different config hash wipes
+it first). The finished stage is published atomically with the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+
+import jax
+
+from dgr2_jax.stages import common
+
+STAGE = "sft"
+
+
+def model_from_config(model_cfg, vocab_size: int | None = None, pad_id=None, eos_id=None):
+  """-> (Qwen3Config, params or `fn(rng) -> params`) from `config.model`."""
+  from dgr2_jax.model import qwen3
+  from dgr2_jax.model.config import Qwen3Config
+  if model_cfg.get("init_from", ""):
+    from dgr2_jax.model import checkpoint as model_ckpt
+    mc, params = model_ckpt.load_model_dir(model_cfg.init_from)
+    mc = mc.replace(dtype=model_cfg.get("dtype", mc.dtype), remat=bool(model_cfg.get("remat", False)))
+    return mc, params
+  fields = {f.name for f in dataclasses.fields(Qwen3Config)}
+  kw = {k: v for k, v in model_cfg.items() if k in fields}
+  if not kw.get("vocab_size"):
+    if vocab_size is None:
+      raise ValueError("model.vocab_size is 0 and no tokenizer size is known; set model.vocab_size")
+    kw["vocab_size"] = int(vocab_size)
+  kw.setdefault("pad_token_id", pad_id)
+  kw.setdefault("eos_token_id", eos_id)
+  mc = Qwen3Config(**kw)
+  return mc, (lambda rng: qwen3.init_params(mc, rng))
+
+
+def run(config, workdir: str) -> str:
+  from dgr2_jax.stages import traces as traces_stage  # lazy: task side may change independently
+  from dgr2_jax.task import pipeline
+  from dgr2_jax.task import tokenizer as tok_lib
+  from dgr2_jax.train import loop, losses
+
+  config = config.copy_and_resolve_references()  # train.total_steps may be derived below
+  out = common.stage_dir(workdir, STAGE)
+  chash = common.config_hash(config.seed, config.model, config.train, config.task,
+                             [(common.read_done(common.stage_dir(workdir, "traces")) or {}).get("config_hash")])
+  if common.is_fresh(out, chash):
+    return out
+  train_dir = os.path.join(out, "train")
+  stamp = os.path.join(train_dir, "config_hash")
+  if os.path.exists(out) and (common.read_done(out) is not None
+                              or not os.path.exists(stamp) or open(stamp).read().strip() != chash):
+    shutil.rmtree(out)  # stale finished stage, or a partial run of another config
+  os.makedirs(train_dir, exist_ok=True)
+  with open(stamp, "w") as f:
+    f.write(chash)
+
+  tok_dir = traces_stage.tokenizer_dir(config, workdir)
+  tokenizer = tok_lib.load_tokenizer(tok_dir)
+  arrays, counts = pipeline.load_split_arrays(config, workdir, "train", tokenizer=tokenizer)
+  logging.info("sft: %s", counts)
+  tc = config.train
+  n = len(arrays["prompt_ids"])
+  epochs = int(tc.sft.get("epochs", 0))
+  if epochs > 0:
+    with tc.unlocked():
+      tc.total_steps = max(1, epochs * n // int(tc.batch_size))
+  local_batch = int(tc.batch_size) // jax.process_count()
+  batch_iter = pipeline.make_iterator(arrays, local_batch, seed=int(config.seed))
+
+  mc, params = model_from_config(config.model, vocab_size=len(tokenizer),
+                                 pad_id=tokenizer.pad_token_id, eos_id=tokenizer.convert_tokens_to_ids(tok_lib.IM_END))
+  rw, aw = float(tc.sft.reasoning_weight), float(tc.sft.answer_weight)
+
+  def loss_fn(p, batch, rng):
+    del rng
+    return losses.sft_loss(mc, p, batch, reasoning_weight=rw, answer_weight=aw)
+
+  state = loop.train(config, train_dir, params=params, loss_fn=loss_fn, batch_iter=batch_iter, desc="sft")
+
+  from dgr2_jax.model import checkpoint as model_ckpt
+  with common.atomic_dir(out, chash, extra={"steps": int(tc.total_steps), "examples": counts}) as tmp:
+    model_ckpt.save_model_dir(os.path.join(tmp, "model"), mc, state["params"], tokenizer_src=tok_dir)
+    if jax.process_index() == 0:
+      os.replace(train_dir, os.path.join(tmp, "train"))  # keep the history with the result
+  return out

@@ -1,0 +1,89 @@
+"""Conversion fine-tuning (CFT): the masked block-diffusion objective, as a pure loss function.
+
+Per (row, block) a mask rate t ~ U(eps, 1) is drawn and each response token of the block is masked
+with probability t (at least one per block that holds real tokens). Every block trains in one pass
+with the two-stream layout of `model/streams.py` ([prompt | clean | one noisy copy per block]), so
+the logits at a masked position are exactly what the decoder computes for that canvas through its
+KV cache (tested). Positions after the response's EOS (padding) are always masked in the canvas and
+never trained on: the decoder leaves them masked too.
+
+Loss, with w = span weight (reasoning / answer) on real response tokens:
+  weighting "1/t" (default, the masked-diffusion ELBO):  sum_masked w * CE / t  /  sum_all w
+  weighting "none":                                      sum_masked w * CE      /  sum_masked w
+With B = 1 and t = 1 both equal the AR SFT loss (tested).
+`complementary=True` also trains the complementary mask of every row (each token trained once per
+pair), doubling the batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dgr2_jax.model import streams
+
+WEIGHTINGS = ("1/t", "none")
+
+
+def corrupt(rng, response, response_mask, block_size: int, mask_id: int, eps: float,
+            fixed_t: float | None = None):
+  """-> (noisy [b,R], masked [b,R] bool, t [b,R] per-token mask rate of its block)."""
+  b, r = response.shape
+  nb = r // block_size
+  k_t, k_m, k_f = jax.random.split(rng, 3)
+  t_blk = jax.random.uniform(k_t, (b, nb), minval=eps, maxval=1.0) if fixed_t is None else \
+      jnp.full((b, nb), fixed_t, jnp.float32)
+  t = jnp.repeat(t_blk, block_size, axis=1)                              # [b,R]
+  real = response_mask.astype(bool)
+  masked = (jax.random.uniform(k_m, (b, r)) < t) & real
+  # At least one masked token in every block holding real tokens (else the block gives no signal).
+  u = jnp.where(real, jax.random.uniform(k_f, (b, r)), -1.0).reshape(b, nb, block_size)
+  forced = (u == u.max(-1, keepdims=True)) & (u >= 0)
+  none = ~masked.reshape(b, nb, block_size).any(-1, keepdims=True)
+  masked = masked | (forced & none).reshape(b, r)
+  noisy = jnp.where(masked | ~real, mask_id, response)
+  return noisy, masked, t
+
+
+def span_weights(batch, reasoning_weight: float, answer_weight: float):
+  return (batch["reasoning_mask"] * reasoning_weight + batch["answer_mask"] * answer_weight
+          ).astype(jnp.float32) * batch["response_mask"]
+
+
+def cft_loss(model_config, params, batch, rng, *, block_size: int, mask_id: int, eps: float = 1e-3,
+             weighting: str = "1/t", reasoning_weight: float = 1.0, answer_weight: float = 1.0,
+             complementary: bool = False, fixed_t: float | None = None):
+  """-> (loss, metrics). `batch` is the task pipeline's dict (left-padded prompt, response spans)."""
+  if weighting not in WEIGHTINGS:
+    raise ValueError(f"cft.loss_weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+  resp = batch["response_ids"].astype(jnp.int32)
+  b, r = resp.shape
+  if r % block_size:
+    raise ValueError(f"task.response_len ({r}) must be a multiple of the block size ({block_size})")
+  noisy, masked, t = corrupt(rng, resp, batch["response_mask"], block_size, mask_id, eps, fixed_t)
+  prompt, plen, rmask = batch["prompt_ids"], batch["prompt_len"], batch["response_mask"]
+  w = span_weights(batch, reasoning_weight, answer_weight)
+  if complementary:
+    real = rmask.astype(bool)
+    noisy = jnp.concatenate([noisy, jnp.where(~masked & real, mask_id, resp)], 0)
+    masked = jnp.concatenate([masked, ~masked & real], 0)
+    t = jnp.concatenate([t, 1.0 - t + eps], 0)
+    resp, prompt, plen, w = (jnp.concatenate([x, x], 0) for x in (resp, prompt, plen, w))
+  nb = r // block_size
+  seg_block = np.arange(nb)
+  pred_seg = jnp.broadcast_to(jnp.arange(r) // block_size, resp.shape)
+  logits = streams.response_predictions(model_config, params, prompt, plen, resp,
+                                        noisy.reshape(-1, nb, block_size), seg_block, pred_seg, block_size)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  ce = -jnp.take_along_axis(logp, resp[..., None], -1)[..., 0]          # [b,R]
+  mw = w * masked
+  if weighting == "1/t":
+    loss = jnp.sum(mw * ce / t) / jnp.maximum(jnp.sum(w), 1e-8)
+  else:
+    loss = jnp.sum(mw * ce) / jnp.maximum(jnp.sum(mw), 1e-8)
+  acc = jnp.sum(masked * (jnp.argmax(logits, -1) == resp)) / jnp.maximum(jnp.sum(masked), 1)
+  metrics = {"loss": loss, "masked_ce": jnp.sum(mw * ce) / jnp.maximum(jnp.sum(mw), 1e-8),
+             "mask_rate": jnp.sum(masked) / jnp.maximum(jnp.sum(rmask), 1) / (2 if complementary else 1),
+             "masked_acc": acc}
+  return loss, metrics

@@ -1,0 +1,77 @@
+"""Trajectory replay: rebuild the canvas of the step that committed each token and score it.
+
+A rollout (from `decode.sampler.generate`) stores per response index the token, its
+`commit_step` (-1 = never committed, e.g. after EOS) and the decode-time log-prob. For block j with
+distinct commit steps s_1 < ... < s_k, the canvas at step s_m is the rollout's tokens with every
+position of block j whose commit_step >= s_m (or -1) replaced by the mask token; earlier blocks are
+clean. Each canvas becomes one noisy segment of `model/streams.py`, so a whole rollout is scored in
+one pass. Host-side NumPy builds the segments (explicit, static shapes); the scoring is jitted.
+
+`max_segments_per_block` bounds the cost. When a block used more steps than that, neighbouring steps
+are merged: a merged group is scored on the canvas of its earliest step (its tokens see less context
+than at decode time) and the row is flagged inexact. With the default (= block size) replay is exact.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dgr2_jax.decode import sampling
+from dgr2_jax.model import streams
+
+
+def build_segments(tokens: np.ndarray, commit_step: np.ndarray, block_size: int,
+                   max_segments_per_block: int, mask_id: int):
+  """-> dict(seg_tokens [b, nb*cap, B], seg_block [nb*cap], pred_seg [b,R], exact [b], clean [b,R])."""
+  b, r = tokens.shape
+  bs, cap = block_size, max(1, max_segments_per_block)
+  nb = r // bs
+  seg_tokens = np.full((b, nb * cap, bs), mask_id, np.int32)
+  pred_seg = np.zeros((b, r), np.int32)
+  exact = np.ones((b,), bool)
+  clean = np.where(commit_step >= 0, tokens, mask_id).astype(np.int32)
+  for row in range(b):
+    for j in range(nb):
+      cs = commit_step[row, j * bs:(j + 1) * bs]
+      steps = np.unique(cs[cs >= 0])
+      if len(steps) > cap:
+        exact[row] = False
+      groups = (np.arange(len(steps)) * cap) // max(len(steps), 1)   # neighbouring steps share a group
+      for m in range(min(cap, len(steps))):
+        first = steps[groups == m].min()
+        canvas = clean[row, j * bs:(j + 1) * bs].copy()
+        canvas[(cs >= first) | (cs < 0)] = mask_id
+        seg_tokens[row, j * cap + m] = canvas
+      for i in range(bs):
+        if cs[i] >= 0:
+          pred_seg[row, j * bs + i] = j * cap + groups[np.searchsorted(steps, cs[i])]
+  seg_block = np.repeat(np.arange(nb), cap)
+  return dict(seg_tokens=seg_tokens, seg_block=seg_block, pred_seg=pred_seg, exact=exact, clean=clean)
+
+
+def replay_logits(model_config, params, prompt, prompt_len, segments, block_size: int):
+  """f32 logits [b,R,V] each committed token was sampled from (before temperature/top-k/top-p).
+
+  `segments` needs `clean`, `seg_tokens` and `pred_seg` (arrays, so it can be a jit argument).
+  """
+  if block_size == 1:  # AR: every prediction comes from the clean stream
+    b, r = segments["clean"].shape
+    return streams.response_predictions(model_config, params, prompt, prompt_len, segments["clean"],
+                                        jnp.zeros((b, 0, 1), jnp.int32), np.zeros((0,), int),
+                                        jnp.zeros((b, r), jnp.int32), 1)
+  r = segments["clean"].shape[1]
+  g = segments["seg_tokens"].shape[1]
+  seg_block = np.repeat(np.arange(r // block_size), g // (r // block_size))  # static, from shapes
+  return streams.response_predictions(model_config, params, prompt, prompt_len, segments["clean"],
+                                      segments["seg_tokens"], seg_block, segments["pred_seg"], block_size)
+
+
+def replay_logprobs(model_config, params, prompt, prompt_len, segments, block_size: int, *,
+                    temperature=0.0, top_k=0, top_p=1.0, mask_id=None):
+  """Log-prob [b,R] of each committed token under the decoding distribution it was drawn from."""
+  logits = replay_logits(model_config, params, prompt, prompt_len, segments, block_size)
+  logp = sampling.decoding_logprobs(logits, temperature, top_k, top_p, mask_id)
+  tok = jnp.asarray(segments["clean"])
+  return jnp.take_along_axis(logp, tok[..., None], -1)[..., 0], logits

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# SLURM, one task per GPU across nodes; JAX forms one global mesh over all of them.
+#
+#   sbatch --nodes=1 --ntasks-per-node=8 --gpus-per-task=1 --cpus-per-task=8 \
+#       launch/slurm_multi_gpu.sh configs/beauty_qwen3_8b.py /scratch/dgr2_8b \
+#       --config.data.dir=/data/amazon_beauty --config.model.init_from=/models/qwen3-8b-sids
+#
+# Every task runs exactly:
+#   python -m dgr2_jax.main --config=configs/beauty_qwen3_8b.py --workdir=/scratch/dgr2_8b \
+#       --config.hardware.num_devices=0 [extra overrides...]
+# with SLURM_NTASKS > 1, so dgr2_jax.train.mesh.maybe_initialize_distributed() calls
+# jax.distributed.initialize(), which reads the coordinator, process count and process id from
+# the SLURM environment (SLURM_JOB_NODELIST, SLURM_NTASKS, SLURM_PROCID). The workdir must be
+# on a filesystem every node sees. Plan it first (no GPUs needed):
+#   python launch/dry_run.py --config=configs/beauty_qwen3_8b.py
+#SBATCH --job-name=dgr2
+#SBATCH --output=dgr2-%j.out
+set -euo pipefail
+CONFIG=${1:?usage: slurm_multi_gpu.sh CONFIG WORKDIR [--config.x=y ...]}
+WORKDIR=${2:?usage: slurm_multi_gpu.sh CONFIG WORKDIR [--config.x=y ...]}
+shift 2
+cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+srun --kill-on-bad-exit=1 python -m dgr2_jax.main --config="$CONFIG" --workdir="$WORKDIR" \
+    --config.hardware.num_devices=0 "$@"

@@ -1,0 +1,114 @@
+"""CFT and trajectory replay compute the decoder's function (../shared/design/block-diffusion.md)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dgr2_jax.decode import sampler
+from dgr2_jax.model import masks, qwen3, streams
+from dgr2_jax.train import cft, losses, replay
+
+PROMPTS = [[7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [21, 22, 23]]
+
+
+def _batch(rs, b=3, p=9, r=12, vocab=60):
+  lens = np.array([5, 9, 3][:b])
+  prompt = np.zeros((b, p), np.int32)
+  for i, n in enumerate(lens):
+    prompt[i, p - n:] = rs.randint(6, vocab, n)
+  resp_len = np.array([12, 7, 10][:b])
+  resp = rs.randint(6, vocab, (b, r)).astype(np.int32)
+  rmask = (np.arange(r)[None] < resp_len[:, None]).astype(np.int32)
+  resp = np.where(rmask > 0, resp, 0)
+  reas = (np.arange(r)[None] < (resp_len[:, None] - 3)).astype(np.int32) * rmask
+  return dict(prompt_ids=prompt, prompt_len=lens.astype(np.int32), response_ids=resp, response_mask=rmask,
+              reasoning_mask=reas, answer_mask=rmask - reas)
+
+
+def test_cft_logits_equal_decoder_cache_path(tiny_lm):
+  cfg, params = tiny_lm
+  bs, r = 4, 12
+  cfg = cfg.as_block_diffusion(bs, 63)
+  batch = _batch(np.random.RandomState(0))
+  resp = jnp.asarray(batch["response_ids"])
+  noisy, masked, _ = cft.corrupt(jax.random.PRNGKey(0), resp, jnp.asarray(batch["response_mask"]), bs, 63, 0.1)
+  nb = r // bs
+  logits = streams.response_predictions(cfg, params, batch["prompt_ids"], batch["prompt_len"], resp,
+                                        noisy.reshape(3, nb, bs), np.arange(nb),
+                                        jnp.broadcast_to(jnp.arange(r) // bs, resp.shape), bs)
+  # The decoder's path: prefill, K/V writes of clean blocks, then a forward of the canvas.
+  p = batch["prompt_ids"].shape[1]
+  s = p + r
+  ids = masks.slot_block_ids(p, s, bs)
+  valid = masks.left_pad_valid(batch["prompt_len"], p, s)
+  pos = masks.left_pad_positions(batch["prompt_len"], p, s)
+  cache = qwen3.init_cache(cfg, 3, s)
+  lg, cache = sampler.window_forward(cfg, params, jnp.asarray(batch["prompt_ids"]), 0, cache, ids, valid, pos)
+  carry = lg[:, -1]
+  checked = 0
+  for j in range(nb):
+    canvas = noisy[:, j * bs:(j + 1) * bs]
+    lg_canvas, _ = sampler.window_forward(cfg, params, canvas, p + j * bs, cache, ids, valid, pos)
+    dec = jnp.concatenate([carry[:, None], lg_canvas[:, :bs - 1]], axis=1)   # [b,B,V]
+    m = np.asarray(masked[:, j * bs:(j + 1) * bs])
+    np.testing.assert_allclose(np.asarray(logits[:, j * bs:(j + 1) * bs])[m], np.asarray(dec)[m],
+                               atol=1e-5, rtol=1e-5)
+    checked += m.sum()
+    # The fused window the decoder uses at a block's first step gives the same canvas logits.
+    if j > 0:
+      prev = resp[:, (j - 1) * bs:j * bs]
+      lg_f, _ = sampler.window_forward(cfg, params, jnp.concatenate([prev, canvas], 1), p + (j - 1) * bs,
+                                       cache, ids, valid, pos)
+      np.testing.assert_allclose(np.asarray(lg_f[:, bs:]), np.asarray(lg_canvas), atol=1e-5, rtol=1e-5)
+    lg_clean, cache = sampler.window_forward(cfg, params, resp[:, j * bs:(j + 1) * bs], p + j * bs, cache,
+                                             ids, valid, pos)
+    carry = lg_clean[:, -1]
+  assert checked >= 8
+
+
+def test_cft_b1_full_mask_equals_sft(tiny_lm):
+  cfg, params = tiny_lm
+  batch = _batch(np.random.RandomState(1))
+  kw = dict(reasoning_weight=1.0, answer_weight=3.0)
+  sft, _ = losses.sft_loss(cfg, params, batch, **kw)
+  for weighting in cft.WEIGHTINGS:
+    loss, _ = cft.cft_loss(cfg, params, batch, jax.random.PRNGKey(0), block_size=1, mask_id=63,
+                           fixed_t=1.0, weighting=weighting, **kw)
+    np.testing.assert_allclose(float(loss), float(sft), rtol=1e-5)
+  # And with B > 1 the objective is a different function (the test above can fail).
+  loss4, _ = cft.cft_loss(cfg.as_block_diffusion(4, 63), params, batch, jax.random.PRNGKey(0), block_size=4,
+                          mask_id=63, fixed_t=1.0, **kw)
+  assert abs(float(loss4) - float(sft)) > 1e-3
+
+
+@pytest.mark.parametrize("bs,taus", [(1, (1.0,)), (4, (1.0, 0.5, 0.2)), (32, (0.9, 0.3))])
+def test_replay_logprobs_equal_decode_logprobs(tiny_lm, bs, taus):
+  cfg, params = tiny_lm
+  r = 32
+  mcfg = cfg.as_block_diffusion(bs, 63) if bs > 1 else cfg
+  toks, lens = sampler.left_pad(PROMPTS, 9, 0)
+  score = jax.jit(lambda prm, seg, t: replay.replay_logprobs(mcfg, prm, toks, lens, seg, bs, temperature=t,
+                                                             top_k=0, top_p=1.0, mask_id=63)[0])
+  for tau in taus:
+    for temp in (0.0, 1.0):
+      dc = sampler.DecodeConfig(block_size=bs, threshold=tau, temperature=temp, max_new_tokens=r, eos_ids=(5,),
+                                mask_token_id=63, pad_id=0)
+      out = sampler.generate(cfg, params, PROMPTS, dc, rng=jax.random.PRNGKey(11))
+      seg = replay.build_segments(out["tokens"], out["commit_step"], bs, bs, 63)
+      assert seg["exact"].all()
+      lp = np.asarray(score(params, {k: seg[k] for k in ("clean", "seg_tokens", "pred_seg")}, temp))
+      committed = out["commit_step"] >= 0
+      np.testing.assert_allclose(lp[committed], out["logprob"][committed], atol=1e-5)
+      # The importance ratio before any update is exactly 1.
+      np.testing.assert_allclose(np.exp(lp - out["logprob"])[committed], 1.0, atol=1e-4)
+
+
+def test_replay_merging_bounds_segments_and_flags_rows(tiny_lm):
+  cfg, params = tiny_lm
+  dc = sampler.DecodeConfig(block_size=8, threshold=1.0, max_new_tokens=16, eos_ids=(), mask_token_id=63, pad_id=0)
+  out = sampler.generate(cfg, params, PROMPTS, dc)
+  seg = replay.build_segments(out["tokens"], out["commit_step"], 8, 2, 63)
+  assert seg["seg_tokens"].shape == (3, 4, 8) and not seg["exact"].any()
+  seg_full = replay.build_segments(out["tokens"], out["commit_step"], 8, 8, 63)
+  assert seg_full["exact"].all()

@@ -1,0 +1,125 @@
+"""The jitted block-diffusion decoder against a plain-Python reference and against transformers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dgr2_jax.decode import reference, sampler
+from dgr2_jax.model import masks
+
+PROMPTS = [[7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [21, 22, 23]]  # mixed lengths
+R = 16
+
+
+def _dc(bs, tau, **kw):
+  kw.setdefault("eos_ids", (5,))
+  return sampler.DecodeConfig(block_size=bs, threshold=tau, max_new_tokens=R, mask_token_id=63, pad_id=0, **kw)
+
+
+def _assert_same(out, ref):
+  np.testing.assert_array_equal(out["tokens"], ref["tokens"])
+  np.testing.assert_array_equal(out["commit_step"], ref["commit_step"])
+  np.testing.assert_allclose(out["logprob"], ref["logprob"], atol=1e-5)
+  np.testing.assert_array_equal(out["nfe"], ref["nfe"])
+  assert out["output_ids"] == ref["output_ids"]
+  assert int(out["steps"]) == ref["steps"]
+
+
+@pytest.mark.parametrize("bs", [1, 2, 4, 8])
+def test_while_loop_matches_python_reference(tiny_lm, bs):
+  cfg, params = tiny_lm
+  fn = sampler.compiled_decoder(cfg.as_block_diffusion(bs, 63) if bs > 1 else cfg, bs, R, (5,), 63)
+  taus = (1.0, 0.6, 0.2)
+  multi_commit = False
+  for tau in taus:
+    out = sampler.generate(cfg, params, PROMPTS, _dc(bs, tau))
+    ref = reference.reference_decode(cfg, params, PROMPTS, _dc(bs, tau))
+    _assert_same(out, ref)
+    committed = out["commit_step"][out["commit_step"] >= 0]
+    multi_commit |= len(np.unique(committed)) < len(committed)
+  # tau only changes traced values: one compilation served every threshold.
+  assert fn._cache_size() == 1
+  if bs > 1:
+    assert multi_commit, "the low thresholds should commit several tokens in one step"
+
+
+def test_sampling_matches_reference(tiny_lm):
+  cfg, params = tiny_lm
+  dc = _dc(4, 0.3, temperature=0.8, top_k=20, top_p=0.9)
+  key = jax.random.PRNGKey(7)
+  out = sampler.generate(cfg, params, PROMPTS, dc, rng=key)
+  _assert_same(out, reference.reference_decode(cfg, params, PROMPTS, dc, rng=key))
+  other = sampler.generate(cfg, params, PROMPTS, dc, rng=jax.random.PRNGKey(8))
+  assert not np.array_equal(out["tokens"], other["tokens"]), "a new key must change the samples"
+
+
+def test_tau_one_commits_one_token_per_step_and_counts_nfe(tiny_lm):
+  cfg, params = tiny_lm
+  for bs in (1, 4):
+    out = sampler.generate(cfg, params, PROMPTS, _dc(bs, 1.0, eos_ids=()))
+    cs = out["commit_step"]
+    for row in cs:
+      assert sorted(row.tolist()) == list(range(R)), "one commit per step, every step"
+    # B = 1: the prefill predicts token 0, then one forward per further token (as AR / HF).
+    # B > 1: one forward per step (block j's first step also writes block j-1's K/V).
+    expected = R - 1 if bs == 1 else R
+    np.testing.assert_array_equal(out["nfe"], [expected] * len(PROMPTS))
+    assert int(out["forward_passes"]) == expected
+
+
+def test_rows_stop_at_their_own_eos(tiny_lm):
+  cfg, params = tiny_lm
+  free = sampler.generate(cfg, params, PROMPTS, _dc(4, 0.6, eos_ids=()))
+  eos = int(free["tokens"][0, 6])  # a token row 0 emits mid-way
+  out = sampler.generate(cfg, params, PROMPTS, _dc(4, 0.6, eos_ids=(eos,)))
+  first = int(np.argmax(free["tokens"][0] == eos))
+  assert out["output_ids"][0][-1] == eos and len(out["output_ids"][0]) <= first + 1 + 4
+  block_end = (int(out["eos_pos"][0]) // 4 + 1) * 4
+  assert (out["commit_step"][0, block_end:] == -1).all(), "a finished row commits nothing more"
+  _assert_same(out, reference.reference_decode(cfg, params, PROMPTS, _dc(4, 0.6, eos_ids=(eos,))))
+
+
+def test_b1_greedy_equals_transformers_generate(tmp_path):
+  torch = pytest.importorskip("torch")
+  from transformers import Qwen3Config as HFConfig, Qwen3ForCausalLM
+  from dgr2_jax.model import checkpoint
+  torch.manual_seed(0)
+  hf_cfg = HFConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                    tie_word_embeddings=False, eos_token_id=3, pad_token_id=0, bos_token_id=None)
+  model = Qwen3ForCausalLM(hf_cfg).eval()
+  with torch.no_grad():
+    for p in model.parameters():
+      p.mul_(6.0)  # peaked distributions: no near-ties between torch and XLA argmax
+  model.save_pretrained(tmp_path / "hf")
+  cfg, params = checkpoint.load_model_dir(str(tmp_path / "hf"))
+  prompts = [[11, 12, 13, 14, 15, 16, 17], [21, 22, 23], [31, 32, 33, 34, 35]]
+  # Choose an EOS the model actually emits, so rows stop at different places.
+  free = sampler.generate(cfg, params, prompts, sampler.DecodeConfig(
+      block_size=1, threshold=1.0, max_new_tokens=24, eos_ids=(), pad_id=0))
+  eos = int(free["tokens"][1, 5])
+  dc = sampler.DecodeConfig(block_size=1, threshold=1.0, max_new_tokens=24, eos_ids=(eos,), pad_id=0)
+  ours = sampler.generate(cfg, params, prompts, dc)
+  for i, prm in enumerate(prompts):
+    with torch.no_grad():
+      ids = model.generate(torch.tensor([prm]), do_sample=False, max_new_tokens=24, eos_token_id=eos,
+                           pad_token_id=0, attention_mask=torch.ones(1, len(prm), dtype=torch.long))
+    theirs = ids[0, len(prm):].tolist()
+    assert ours["output_ids"][i] == theirs, f"row {i}"
+  assert any(len(o) < 24 for o in ours["output_ids"]), "EOS should stop some row early"
+
+
+def test_masks_edge_cases():
+  # B = 1 block-causal == causal & padding.
+  valid = masks.left_pad_valid(jnp.array([3, 5]), 5, 9)
+  m1 = masks.sequence_mask(5, 9, 1, valid)
+  causal = np.tril(np.ones((9, 9), bool))
+  np.testing.assert_array_equal(np.asarray(m1), causal[None] & np.asarray(valid)[:, None, :])
+  # prompt of 5 slots (not a multiple of B = 2), response of 4: blocks {5,6}, {7,8}.
+  m = np.asarray(masks.sequence_mask(5, 9, 2, valid))
+  assert m[1, 5, 6] and m[1, 6, 5] and not m[1, 6, 7] and m[1, 7, 6] and m[1, 7, 8]
+  assert not m[1, 4, 5], "the prompt never sees the response"
+  assert not m[0, 5, 1] and m[0, 5, 2], "left padding is invisible; the real prompt is visible"
+  np.testing.assert_array_equal(np.asarray(masks.left_pad_positions(jnp.array([3]), 5, 8))[0],
+                                [0, 0, 0, 1, 2, 3, 4, 5])

@@ -1,0 +1,270 @@
+"""The command line: config presets and variants, validation errors naming the field, dispatch,
+the dry-run plan (against a hand count of Qwen3-8B's parameters), the ladder and the results
+tables."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dgr2_jax import main as main_lib
+from dgr2_jax import results
+from dgr2_jax.stages import bench as bench_stage
+from dgr2_jax.stages import common
+from dgr2_jax.stages import pipeline
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRESETS = ("demo.py", "beauty_cpu.py", "beauty_qwen3_0p6b.py", "beauty_qwen3_8b.py", "generate.py")
+
+
+def load_config(name: str, arg: str = ""):
+  path = os.path.join(REPO_ROOT, "configs", name)
+  spec = importlib.util.spec_from_file_location(f"cfg_{name[:-3]}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_load_and_have_valid_values(name):
+  c = load_config(name)
+  assert c.stage in main_lib.STAGES
+  if name == "generate.py":
+    return
+  assert set(c.pipeline.stages) <= set(main_lib.STAGES)
+  for section in ("data", "sids", "retriever", "task", "eval", "train", "model", "decode", "cft",
+                  "opd", "rl", "bench", "pipeline", "hardware"):
+    assert section in c, section
+
+
+def test_demo_validates_and_real_data_presets_need_their_paths(tmp_path):
+  main_lib.validate(load_config("demo.py"), str(tmp_path))
+  with pytest.raises(ValueError, match=r"config\.data\.dir: is required"):
+    main_lib.validate(load_config("beauty_cpu.py"), str(tmp_path))
+  c = load_config("beauty_cpu.py")
+  c.data.dir = str(tmp_path / "absent")
+  with pytest.raises(FileNotFoundError, match=r"config\.data\.dir: .*absent"):
+    main_lib.validate(c, str(tmp_path))
+  c = load_config("beauty_qwen3_8b.py")
+  c.data.dir = str(tmp_path)
+  c.model.init_from = str(tmp_path / "no_model")
+  # task.tokenizer follows model.init_from (a field reference): the first missing path is named.
+  assert c.task.tokenizer == c.model.init_from
+  with pytest.raises(FileNotFoundError, match=r"config\.task\.tokenizer"):
+    main_lib.validate(c, str(tmp_path))
+
+
+def test_paper_hyper_parameters():
+  for name in ("beauty_qwen3_0p6b.py", "beauty_qwen3_8b.py"):
+    c = load_config(name)
+    assert (c.decode.block_size, c.cft.block_size, c.cft.epochs) == (32, 32, 3)
+    assert (c.opd.rollouts_per_prompt, c.opd.lr, c.opd.prompts_per_step) == (4, 1e-6, 128)
+    assert (c.rl.group_size, c.rl.lr, c.rl.steps, c.rl.alpha, c.rl.clip_eps) == (8, 5e-7, 600,
+                                                                                 0.2, 0.2)
+    assert c.hardware.num_devices == 8 and c.hardware.device_memory_gb == 80.0
+
+
+@pytest.mark.parametrize("overrides,field,exc", [
+    ({"stage": "bogus"}, "config.stage", ValueError),
+    ({"decode.max_new_tokens": 100}, "config.decode.max_new_tokens", ValueError),
+    ({"decode.block_size": 0}, "config.decode.block_size", ValueError),
+    ({"decode.threshold": 0.0}, "config.decode.threshold", ValueError),
+    ({"decode.threshold": 1.5}, "config.decode.threshold", ValueError),
+    ({"decode.top_p": 0.0}, "config.decode.top_p", ValueError),
+    ({"data.source": "movielens"}, "config.data.source", ValueError),
+    ({"sids.encoder": "bert"}, "config.sids.encoder", ValueError),
+    ({"sids.encoder": "npy"}, "config.sids.embeddings_npy", ValueError),
+    ({"retriever.source": "file"}, "config.retriever.candidates_file", ValueError),
+    ({"task.splits": ("train", "dev")}, "config.task.splits", ValueError),
+    ({"task.response_len": 250}, "config.task.response_len", ValueError),
+    ({"cft.loss_weighting": "1/t^2"}, "config.cft.loss_weighting", ValueError),
+    ({"cft.block_size": 0}, "config.cft.block_size", ValueError),
+    ({"train.batch_size": 7, "train.grad_accum_steps": 2}, "config.train.batch_size", ValueError),
+    ({"train.mesh.data": -1, "train.mesh.fsdp": -1}, "config.train.mesh", ValueError),
+    ({"model.num_key_value_heads": 3}, "config.model.num_key_value_heads", ValueError),
+    ({"model.dtype": "int8"}, "config.model.dtype", ValueError),
+    ({"model.init_from": "/nonexistent/model"}, "config.model.init_from", FileNotFoundError),
+    ({"pipeline.stages": ("data", "cft", "sft")}, "config.pipeline.stages", ValueError),
+    ({"pipeline.stages": ("data", "generate")}, "config.pipeline.stages", ValueError),
+    ({"rl.group_size": 1}, "config.rl.group_size", ValueError),
+    ({"rl.clip_eps": 0.0}, "config.rl.clip_eps", ValueError),
+    ({"opd.teacher": "gpt"}, "config.opd.teacher", ValueError),
+    ({"bench.thresholds": (0.9, 1.5)}, "config.bench.thresholds", ValueError),
+    ({"bench.block_sizes": (32, 48)}, "config.bench.block_sizes", ValueError),
+    ({"stage": "eval"}, "config.eval.model_dir", ValueError),
+    ({"stage": "eval", "eval.model_dir": "/nonexistent"}, "config.eval.model_dir",
+     FileNotFoundError),
+    ({"eval.split": "dev"}, "config.eval.split", ValueError),
+])
+def test_validation_names_the_field(tmp_path, overrides, field, exc):
+  c = load_config("demo.py")
+  for k, v in overrides.items():
+    node = c
+    *path, last = k.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = v
+  with pytest.raises(exc, match=rf"{field.replace('.', chr(92) + '.')}\b"):
+    main_lib.run(c, str(tmp_path / "work"))
+  assert not (tmp_path / "work").exists()  # nothing was done
+
+
+def test_workdir_required_and_unknown_stage_module(tmp_path, monkeypatch):
+  with pytest.raises(ValueError, match="--workdir is required"):
+    main_lib.validate(load_config("demo.py"), None)
+  monkeypatch.setitem(main_lib.STAGES, "absent", "dgr2_jax.stages._absent_stage")
+  with pytest.raises(NotImplementedError, match="stage 'absent' is not available"):
+    main_lib.stage_fn("absent")
+  with pytest.raises(ValueError, match="config.stage 'nope' is not a stage"):
+    main_lib.stage_fn("nope")
+  assert main_lib.stage_fn("generate").__module__ == "dgr2_jax.stages.generate"
+
+
+def test_variants():
+  full = load_config("demo.py")
+  assert full.pipeline.stages == pipeline.ORDER
+  assert "cft" not in load_config("demo.py", "no_cft").pipeline.stages
+  c = load_config("demo.py", "cft_only,block8,weight_none")
+  assert "opd" not in c.pipeline.stages and "rl" not in c.pipeline.stages
+  assert (c.cft.block_size, c.decode.block_size, tuple(c.bench.block_sizes)) == (8, 8, (8,))
+  assert c.cft.loss_weighting == "none"
+  with pytest.raises(ValueError, match="unknown config preset 'block7'"):
+    load_config("demo.py", "block7")
+  methods = lambda arg: [m for m, _ in pipeline.ladder_methods(load_config("demo.py", arg))]
+  assert methods("") == ["ar", "naive", "cft", "cft_opd", "cft_opd_rl"]
+  assert methods("rl_no_opd") == ["ar", "naive", "cft", "cft_rl"]
+  assert methods("no_cft") == ["ar", "naive", "opd", "opd_rl"]
+  assert methods("opd_no_rl") == ["ar", "naive", "cft", "cft_opd"]
+  assert pipeline.previous_model_stage(load_config("demo.py", "rl_no_opd"), "rl") == "cft"
+  assert pipeline.previous_model_stage(load_config("demo.py", "no_cft"), "opd") == "convert"
+  assert pipeline.final_model_stage(load_config("demo.py", "cft_only")) == "cft"
+
+
+def test_command_line(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  run = lambda *a: subprocess.run([sys.executable, "-m", "dgr2_jax.main", *a], cwd=REPO_ROOT,
+                                  env=env, capture_output=True, text=True, timeout=120)
+  r = run("--config=configs/demo.py:block16", "--config.stage=eval",
+          "--config.decode.max_new_tokens=40", f"--workdir={tmp_path}")
+  assert r.returncode != 0
+  assert "config.decode.max_new_tokens: (40) must be a multiple of decode.block_size (16)" in r.stderr
+  r = run("--config=configs/beauty_qwen3_8b.py", "--config.dry_run=True")
+  assert r.returncode == 0, r.stderr
+  assert "mesh over 8 devices: data=1 x fsdp=8 x tensor=1" in r.stdout
+  assert "fits" in r.stdout
+
+
+def qwen3_param_count(v, h, i, n_layers, heads, kv, hd, tied):
+  """Hand count from the Qwen3 architecture (not from our model code)."""
+  attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 2 * hd  # q,k,v,o + q/k norms
+  layer = attn + 3 * h * i + 2 * h
+  return v * h * (1 if tied else 2) + n_layers * layer + h
+
+
+def test_dry_run_plan_for_8_gpus():
+  dry = main_lib.load_dry_run()
+  c = load_config("beauty_qwen3_8b.py")
+  p = dry.plan(c)
+  n = qwen3_param_count(151936, 4096, 12288, 36, 32, 8, 128, tied=False)
+  assert p["num_params"] == n and 8.1e9 < n < 8.3e9  # Qwen3-8B: 8.2 B
+  assert p["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1} and p["num_devices"] == 8
+  pd = p["per_device_bytes"]
+  # f32 master weights, fully sharded over fsdp=8 (every big matrix has a dim divisible by 8;
+  # the norm scales are replicated).
+  norms = 36 * (2 * 4096 + 2 * 128) + 4096
+  assert pd["params"] == 4 * ((n - norms) // 8 + norms)
+  assert pd["gradients"] == pd["params"]
+  assert abs(pd["optimizer"] - 2 * pd["params"]) < 1024  # Adam mu + nu (+ counters)
+  assert pd["activations_estimate"] > 0 and pd["total_train"] < 80e9 and p["fits"]
+  text = dry.format_plan(p)
+  assert "mesh over 8 devices" in text and "fits" in text
+  # A mesh that does not divide the device count fails naming train.mesh.
+  c.train.mesh.fsdp = 3
+  with pytest.raises(ValueError, match="train.mesh"):
+    dry.plan(c)
+
+
+ACC_ROWS = [
+    {"method": "pre_rank", "recall@1": 0.2, "valid_rate": 1.0, "n": 10},
+    {"method": "ar", "recall@1": 0.5, "recall@3": 0.8, "valid_rate": 1.0, "mean_nfe": 120.0,
+     "n": 10},
+    {"method": "naive", "recall@1": 0.1, "valid_rate": 0.3, "mean_nfe": 20.5, "n": 10},
+]
+
+
+def test_results_tables_render(tmp_path):
+  m = results.meta("abc123")
+  assert m["versions"]["jax"] and m["machine"]["cpu_count"]
+  results.write_accuracy(str(tmp_path), ACC_ROWS, m)
+  md = (tmp_path / "accuracy.md").read_text()
+  assert "config hash `abc123`" in md
+  assert "| ar | 0.5000 | 0.8000 | - |" in md and "| naive | 0.1000 |" in md
+  assert md.count("\n|") == 2 + len(ACC_ROWS) - 1 + 1
+  obj = json.loads((tmp_path / "accuracy.json").read_text())
+  assert [r["method"] for r in obj["rows"]] == ["pre_rank", "ar", "naive"]
+  assert obj["config_hash"] == "abc123" and "machine" in obj and "versions" in obj
+  rows = bench_stage.add_speedups([
+      {"block_size": 1, "threshold": 1.0, "recall@1": 0.5, "valid_rate": 1.0,
+       "tokens_per_s": 100.0, "nfe_per_seq": 120.0},
+      {"block_size": 32, "threshold": 0.9, "recall@1": 0.45, "valid_rate": 0.9,
+       "tokens_per_s": 250.0, "nfe_per_seq": 40.0},
+      {"block_size": 32, "threshold": 0.4, "recall@1": 0.3, "valid_rate": 0.6,
+       "tokens_per_s": 400.0, "nfe_per_seq": 15.0}])
+  assert [r["speedup"] for r in rows] == [1.0, 2.5, 4.0]
+  assert [r["nfe_speedup"] for r in rows] == [1.0, 3.0, 8.0]
+  results.write_frontier(str(tmp_path), rows, m)
+  with open(tmp_path / "frontier.png", "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  fmd = (tmp_path / "frontier.md").read_text()
+  assert "| 32 | 0.9000 | 0.4500 | 0.9000 | 250.0 | 40.0 | 2.5000 | 3.0000 |" in fmd
+  with pytest.raises(ValueError, match="without 'speedup'"):
+    results.write_frontier(str(tmp_path), [{"block_size": 1, "threshold": 1, "recall@1": 0}], m)
+  assert sorted(p for p in os.listdir(tmp_path) if p.startswith(".")) == []
+
+
+def test_ladder_uses_each_model_and_ar_decoding(tmp_path, monkeypatch):
+  """run_ladder with the eval stage replaced: which model/decode each row gets, and the table."""
+  workdir = str(tmp_path)
+  c = load_config("demo.py", "rl_no_opd")
+  for s in ("sft", "convert", "cft"):  # rl not built: its row is skipped
+    with common.atomic_dir(os.path.join(workdir, s), f"h-{s}") as tmp:
+      os.makedirs(os.path.join(tmp, "model"))
+  seen = []
+
+  def fake_eval(cfg, wd):
+    seen.append((cfg.eval.name, cfg.eval.model_dir, cfg.decode.block_size, cfg.eval.model_hash))
+    out = os.path.join(wd, "eval", cfg.eval.name)
+    with common.atomic_dir(out, "e-" + cfg.eval.name) as tmp:
+      common.write_json_atomic(os.path.join(tmp, "metrics.json"), {
+          "recall@1": {"ar": 0.5, "naive": 0.1, "cft": 0.4}[cfg.eval.name], "valid_rate": 1.0,
+          "n": 7, "decode": cfg.decode.to_dict(), "prerank_floor": {"recall@1": 0.2, "n": 7}})
+    return out
+
+  from dgr2_jax.stages import eval as eval_stage
+  monkeypatch.setattr(eval_stage, "run", fake_eval)
+  obj = pipeline.run_ladder(c, workdir)
+  assert seen == [("ar", os.path.join(workdir, "sft", "model"), 1, "h-sft"),
+                  ("naive", os.path.join(workdir, "convert", "model"), 32, "h-convert"),
+                  ("cft", os.path.join(workdir, "cft", "model"), 32, "h-cft")]
+  assert [(r["method"], r["recall@1"]) for r in obj["rows"]] == [
+      ("pre_rank", 0.2), ("ar", 0.5), ("naive", 0.1), ("cft", 0.4)]
+  assert os.path.exists(os.path.join(workdir, "results", "accuracy.md"))
+
+
+def test_timed_generate_counts_tokens_like_generate(tiny_lm):
+  from dgr2_jax.decode import sampler
+  cfg, params = tiny_lm
+  prompts = [[3, 4, 5, 6], [7, 8]]
+  dc = sampler.decode_config_for(cfg, block_size=4, threshold=0.5, max_new_tokens=16)
+  timed = bench_stage.TimedGenerate()
+  import jax
+  out = timed(cfg, params, prompts, dc, jax.random.PRNGKey(0), max_prompt_len=8)
+  ref = sampler.generate(cfg, params, prompts, dc, jax.random.PRNGKey(0), max_prompt_len=8)
+  assert out["output_ids"] == ref["output_ids"]
+  np.testing.assert_array_equal(out["nfe"], ref["nfe"])
+  assert timed.tokens == sum(len(x) for x in ref["output_ids"]) and timed.batches == 1
+  assert timed.seconds > 0
