@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from dgr2_jax.model import qwen3  # noqa: E402
 from dgr2_jax.model.config import Qwen3Config  # noqa: E402

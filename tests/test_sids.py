@@ -62,11 +62,9 @@ def test_item_text():
 
 
 def test_rqvae_unique_and_uses_codes():
-  # 400 points around 40 cluster centres: structure the codebooks should pick up.
-  rng = np.random.default_rng(0)
-  centres = rng.standard_normal([40, 32])
-  x = centres[rng.integers(40, size=400)] + 0.3 * rng.standard_normal([400, 32])
-  x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+  # 400 isotropic points: no near-duplicates, so the 3 levels should spread them over the
+  # 8^3 = 512 combinations about as well as uniform random codes (expected collision rate 0.31).
+  x = np.random.default_rng(0).standard_normal([400, 32]).astype(np.float32)
   cfg = _small_sids_config()
   codes, info = sids.train_rqvae(cfg, x, seed=0)
   assert codes.shape == (400, 3) and codes.min() >= 0 and codes.max() < 8
@@ -74,8 +72,7 @@ def test_rqvae_unique_and_uses_codes():
   st = sids.code_stats(codes, full, 8)
   assert st["unique_rate"] == 1.0
   assert min(st["codebook_usage"]) >= 0.9, st
-  # Residual quantisation spreads 400 items over many of the 512 combinations.
-  assert st["collision_rate"] < 0.5, st
+  assert st["collision_rate"] < 0.4, st
   assert np.isfinite(info["final_recon"])
 
 

@@ -23,9 +23,23 @@ def decoding_logprobs(logits: jnp.ndarray, temperature, top_k, top_p, mask_id: i
   """
   t = jnp.where(temperature > 0, temperature, 1.0)
   x = logits.astype(jnp.float32) / t
-  v = x.shape[-1]
   if mask_id is not None:
     x = x.at[..., mask_id].set(_NEG)
+  # The sort behind top-k / top-p costs O(V log V) per position: skip it when both are off.
+  x = jax.lax.cond((top_k > 0) | (top_p < 1.0), lambda y: _filter_top_k_top_p(y, top_k, top_p),
+                   lambda y: y, x)
+  return jax.nn.log_softmax(x, axis=-1)
+
+
+def choose_tokens(key, logprobs: jnp.ndarray, temperature) -> jnp.ndarray:
+  """Greedy argmax when temperature == 0, else a categorical draw. logprobs [..., V] -> [...]."""
+  return jax.lax.cond(temperature > 0,
+                      lambda lp: jax.random.categorical(key, lp, axis=-1).astype(jnp.int32),
+                      lambda lp: jnp.argmax(lp, axis=-1).astype(jnp.int32), logprobs)
+
+
+def _filter_top_k_top_p(x, top_k, top_p):
+  v = x.shape[-1]
   sorted_desc = -jnp.sort(-x, axis=-1)
   # top-k: keep logits >= the k-th largest.
   k = jnp.clip(jnp.where(top_k > 0, top_k, v), 1, v)
@@ -37,12 +51,4 @@ def decoding_logprobs(logits: jnp.ndarray, temperature, top_k, top_p, mask_id: i
   mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
   keep_sorted = mass_before < top_p
   cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-  x = jnp.where((top_p < 1.0) & (x < cutoff), _NEG, x)
-  return jax.nn.log_softmax(x, axis=-1)
-
-
-def choose_tokens(key, logprobs: jnp.ndarray, temperature) -> jnp.ndarray:
-  """Greedy argmax when temperature == 0, else a categorical draw. logprobs [..., V] -> [...]."""
-  greedy = jnp.argmax(logprobs, axis=-1)
-  sampled = jax.random.categorical(key, logprobs, axis=-1)
-  return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+  return jnp.where((top_p < 1.0) & (x < cutoff), _NEG, x)

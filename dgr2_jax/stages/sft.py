@@ -46,6 +46,23 @@ def model_from_config(model_cfg, vocab_size: int | None = None, pad_id=None, eos
   return mc, (lambda rng: qwen3.init_params(mc, rng))
 
 
+def prepare_train_dir(out: str, chash: str) -> str:
+  """-> `out/train`, the live (resumable) training dir of a training stage with config hash `chash`.
+
+  A finished stage of another config, or a partial run of another config, is wiped first; a partial
+  run of this config is kept so `loop.train` resumes it.
+  """
+  train_dir = os.path.join(out, "train")
+  stamp = os.path.join(train_dir, "config_hash")
+  if os.path.exists(out) and (common.read_done(out) is not None
+                              or not os.path.exists(stamp) or open(stamp).read().strip() != chash):
+    shutil.rmtree(out)
+  os.makedirs(train_dir, exist_ok=True)
+  with open(stamp, "w") as f:
+    f.write(chash)
+  return train_dir
+
+
 def run(config, workdir: str) -> str:
   from dgr2_jax.stages import traces as traces_stage  # lazy: task side may change independently
   from dgr2_jax.task import pipeline
@@ -58,14 +75,7 @@ def run(config, workdir: str) -> str:
                              [(common.read_done(common.stage_dir(workdir, "traces")) or {}).get("config_hash")])
   if common.is_fresh(out, chash):
     return out
-  train_dir = os.path.join(out, "train")
-  stamp = os.path.join(train_dir, "config_hash")
-  if os.path.exists(out) and (common.read_done(out) is not None
-                              or not os.path.exists(stamp) or open(stamp).read().strip() != chash):
-    shutil.rmtree(out)  # stale finished stage, or a partial run of another config
-  os.makedirs(train_dir, exist_ok=True)
-  with open(stamp, "w") as f:
-    f.write(chash)
+  train_dir = prepare_train_dir(out, chash)
 
   tok_dir = traces_stage.tokenizer_dir(config, workdir)
   tokenizer = tok_lib.load_tokenizer(tok_dir)

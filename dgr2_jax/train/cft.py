@@ -78,12 +78,12 @@ def cft_loss(model_config, params, batch, rng, *, block_size: int, mask_id: int,
   logp = jax.nn.log_softmax(logits, axis=-1)
   ce = -jnp.take_along_axis(logp, resp[..., None], -1)[..., 0]          # [b,R]
   mw = w * masked
-  if weighting == "1/t":
-    loss = jnp.sum(mw * ce / t) / jnp.maximum(jnp.sum(w), 1e-8)
-  else:
-    loss = jnp.sum(mw * ce) / jnp.maximum(jnp.sum(mw), 1e-8)
+  # `denominator` lets gradient accumulation combine micro-batches exactly (train/loop.py).
+  denom = jnp.sum(w) if weighting == "1/t" else jnp.sum(mw)
+  num = jnp.sum(mw * ce / t) if weighting == "1/t" else jnp.sum(mw * ce)
+  loss = num / jnp.maximum(denom, 1e-8)
   acc = jnp.sum(masked * (jnp.argmax(logits, -1) == resp)) / jnp.maximum(jnp.sum(masked), 1)
   metrics = {"loss": loss, "masked_ce": jnp.sum(mw * ce) / jnp.maximum(jnp.sum(mw), 1e-8),
              "mask_rate": jnp.sum(masked) / jnp.maximum(jnp.sum(rmask), 1) / (2 if complementary else 1),
-             "masked_acc": acc}
+             "masked_acc": acc, "denominator": denom}
   return loss, metrics

@@ -30,7 +30,6 @@ from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 

@@ -1,0 +1,87 @@
+"""Stage `cft`: conversion fine-tuning of the block-diffusion copy of the AR teacher -> `workdir/cft/`.
+
+Starts from `config.cft.init_from` ('' = `workdir/sft/model`, the AR teacher), converts it without
+touching the weights (`Qwen3Config.as_block_diffusion(cft.block_size)`; the mask token is the
+tokenizer's `<|mask|>`), and trains `dgr2_jax.train.cft.cft_loss` with the shared loop on the traces
+stage's training split. `cft.epochs` (paper: 3) sets the step count; `cft.lr` (0 = train.optimizer
+.peak_lr) and `cft.batch_size` (0 = train.batch_size) override the training section for this stage.
+Writes `workdir/cft/model` (block-diffusion config) and the training history `workdir/cft/train/`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from dgr2_jax.stages import common
+
+STAGE = "cft"
+
+
+def stage_train_config(config, workdir_stage_cfg, n_examples: int):
+  """config copy whose `train` section carries this stage's lr / batch size / step count."""
+  config = config.copy_and_resolve_references()
+  sc = workdir_stage_cfg
+  with config.unlocked():
+    if sc.get("lr", 0):
+      config.train.optimizer.peak_lr = float(sc.lr)
+    if sc.get("batch_size", 0):
+      config.train.batch_size = int(sc.batch_size)
+    if sc.get("steps", 0):
+      config.train.total_steps = int(sc.steps)
+    elif sc.get("epochs", 0):
+      config.train.total_steps = max(1, int(sc.epochs) * n_examples // int(config.train.batch_size))
+  return config
+
+
+def run(config, workdir: str) -> str:
+  import jax
+  from dgr2_jax.model import checkpoint as model_ckpt
+  from dgr2_jax.stages import traces as traces_stage
+  from dgr2_jax.stages.sft import prepare_train_dir
+  from dgr2_jax.task import pipeline
+  from dgr2_jax.task import tokenizer as tok_lib
+  from dgr2_jax.train import cft, loop
+
+  cc = config.cft
+  init_from = cc.get("init_from", "") or os.path.join(common.stage_dir(workdir, "sft"), "model")
+  upstream = [(common.read_done(common.stage_dir(workdir, s)) or {}).get("config_hash") for s in ("traces", "sft")]
+  chash = common.config_hash(config.seed, cc, config.train, config.task, init_from, upstream)
+  out = common.stage_dir(workdir, STAGE)
+  if common.is_fresh(out, chash):
+    return out
+  if not os.path.isdir(init_from):
+    raise FileNotFoundError(f"cft: the model to convert does not exist: {init_from} (run the sft stage, "
+                            "or set cft.init_from)")
+  train_dir = prepare_train_dir(out, chash)
+
+  tok_dir = traces_stage.tokenizer_dir(config, workdir)
+  tokenizer = tok_lib.load_tokenizer(tok_dir)
+  ids = tok_lib.token_ids(tokenizer)
+  mc, params = model_ckpt.load_model_dir(init_from)
+  mask_id = mc.mask_token_id if mc.mask_token_id is not None else ids.mask_id
+  if mask_id is None:
+    raise ValueError(f"cft: no mask token: the tokenizer in {tok_dir} has no <|mask|> and the model config "
+                     "records no mask_token_id (convert the checkpoint with --mask_token)")
+  bs = int(cc.block_size)
+  mc = mc.as_block_diffusion(bs, mask_id).replace(dtype=config.model.get("dtype", mc.dtype),
+                                                  remat=bool(config.model.get("remat", False)))
+  arrays, counts = pipeline.load_split_arrays(config, workdir, "train", tokenizer=tokenizer)
+  n = len(arrays["prompt_ids"])
+  tconfig = stage_train_config(config, cc, n)
+  logging.info("cft: %d examples, %d steps, block size %d", n, tconfig.train.total_steps, bs)
+  batch_iter = pipeline.make_iterator(arrays, int(tconfig.train.batch_size) // jax.process_count(),
+                                      seed=int(config.seed))
+  kw = dict(block_size=bs, mask_id=int(mask_id), eps=float(cc.eps), weighting=str(cc.loss_weighting),
+            reasoning_weight=float(cc.reasoning_weight), answer_weight=float(cc.answer_weight),
+            complementary=bool(cc.complementary_mask))
+
+  def loss_fn(p, batch, rng):
+    return cft.cft_loss(mc, p, batch, rng, **kw)
+
+  state = loop.train(tconfig, train_dir, params=params, loss_fn=loss_fn, batch_iter=batch_iter, desc="cft")
+  with common.atomic_dir(out, chash, extra={"steps": int(tconfig.train.total_steps), "examples": counts}) as tmp:
+    model_ckpt.save_model_dir(os.path.join(tmp, "model"), mc, state["params"], tokenizer_src=tok_dir)
+    if jax.process_index() == 0:
+      os.replace(train_dir, os.path.join(tmp, "train"))
+  return out

@@ -1,0 +1,191 @@
+"""Stage `opd`: on-policy distillation of the diffusion student from the frozen AR teacher.
+
+Reads the student (`config.opd.init_from`, else the previous model stage's dir: `workdir/cft/model`
+normally, see `pipeline.previous_model_dir`), the teacher (`config.opd.teacher_dir`, else
+`workdir/sft/model`; not read for teacher 'self_tau1') and the train split's prompts
+(`workdir/traces/train.jsonl` via `task.pipeline.load_split_arrays`). Writes `workdir/opd/model`
+(`save_model_dir`, with the tokenizer), `workdir/opd/train/` (checkpoints, metrics.jsonl,
+tensorboard) and DONE.json.
+
+Training runs through `rollouts.train_on_policy` (the on-policy twin of `loop.train`): per step,
+`opd.prompts_per_step` prompts x `opd.rollouts_per_prompt` rollouts are decoded from the CURRENT
+params with `config.decode` (temperature `opd.temperature`), the teacher scores them once (its
+cache goes into the batch), and one optimizer step of `train.opd.opd_loss` follows. The train
+config is `config.train` with batch_size = rows, total_steps = `opd.steps` (0: `opd.epochs`
+passes over the prompts), a constant lr `opd.lr` without warmup. Resumes like the SFT stage.
+Metrics per step: loss (= KL to the teacher), top1_agreement, reward mean/std, valid_rate,
+overlong_rate, mean_nfe, mean_response_tokens, replay_exact, rollout_time_s, update_time_s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dgr2_jax.stages import common
+
+STAGE = "opd"
+PROMPT_KEYS = ("prompt_ids", "prompt_len", "target_rank_in_candidates", "candidates", "example_id")
+
+
+def prepare_train_dir(out: str, chash: str) -> str:
+  """`out/train` for a (possibly resumed) run of config `chash`; a stale/other run is wiped."""
+  train_dir = os.path.join(out, "train")
+  stamp = os.path.join(train_dir, "config_hash")
+  if os.path.exists(out) and (common.read_done(out) is not None or not os.path.exists(stamp)
+                              or open(stamp).read().strip() != chash):
+    shutil.rmtree(out)
+  os.makedirs(train_dir, exist_ok=True)
+  with open(stamp, "w") as f:
+    f.write(chash)
+  return train_dir
+
+
+def model_hash(model_dir: str):
+  """Config hash of the stage that wrote `<stage>/model` (None for an external dir)."""
+  return (common.read_done(os.path.dirname(os.path.abspath(model_dir))) or {}).get("config_hash")
+
+
+def task_setup(config, workdir: str) -> dict:
+  """Tokenizer, token ids, SIDs and the train prompts (rows whose target is among the candidates)."""
+  from dgr2_jax.stages import traces as traces_stage
+  from dgr2_jax.task import pipeline
+  from dgr2_jax.task import tokenizer as tok_lib
+  tok_dir = traces_stage.tokenizer_dir(config, workdir)
+  tokenizer = tok_lib.load_tokenizer(tok_dir)
+  arrays, counts = pipeline.load_split_arrays(config, workdir, "train", tokenizer=tokenizer)
+  keep = arrays["target_rank_in_candidates"] >= 1
+  if not keep.any():
+    raise ValueError(f"{workdir}/traces/train.jsonl: no train example has its target among the candidates")
+  prompts = {k: arrays[k][keep] for k in PROMPT_KEYS}
+  _, sids = traces_stage.load_items_sids(workdir)
+  return dict(tok_dir=tok_dir, tokenizer=tokenizer, tids=tok_lib.token_ids(tokenizer), sids=sids,
+              prompts=prompts, counts=counts)
+
+
+def on_policy_config(config, *, rows: int, steps: int, lr: float, grad_accum: int):
+  """Copy of `config` whose `train` section drives the on-policy loop (constant lr, no warmup)."""
+  c = config.copy_and_resolve_references()
+  c.train.batch_size = int(rows)
+  c.train.total_steps = int(steps)
+  c.train.grad_accum_steps = int(grad_accum)
+  c.train.optimizer.peak_lr = float(lr)
+  c.train.optimizer.schedule = "constant"
+  c.train.optimizer.warmup_steps = 0
+  return c
+
+
+def rollout_decode_config(config, tids, model_config, temperature: float):
+  from dgr2_jax.stages import eval as eval_stage
+  dc = eval_stage.decode_config(config, tids, model_config)
+  return dataclasses.replace(dc, temperature=float(temperature))
+
+
+def score_rollouts(roll: dict, prompts: dict, group_size: int, task: dict, alpha: float) -> dict:
+  """Parses every rollout and computes its reward (grpo.rewards); overlong => None => -1."""
+  from dgr2_jax.task import answer as answer_lib
+  from dgr2_jax.train import grpo
+  cands = np.repeat(prompts["candidates"], group_size, axis=0)
+  r_d = np.repeat(prompts["target_rank_in_candidates"], group_size, axis=0)
+  parsed = []
+  for ids, fin, cand in zip(roll["output_ids"], roll["finished"], cands):
+    if not fin:
+      parsed.append(None)
+      continue
+    text = task["tokenizer"].decode(ids, skip_special_tokens=False)
+    parsed.append(answer_lib.parse_response(text, [task["sids"][int(i)] for i in cand]))
+  rew = grpo.rewards(parsed, r_d, cands.shape[1], alpha)
+  valid = np.asarray([p is not None and p.valid for p in parsed])
+  return dict(rewards=rew, valid=valid)
+
+
+def rollout_metrics(roll: dict, scored: dict, seg: dict) -> dict:
+  return {"reward_mean": float(scored["rewards"].mean()), "reward_std": float(scored["rewards"].std()),
+          "valid_rate": float(scored["valid"].mean()), "overlong_rate": float(1 - roll["finished"].mean()),
+          "mean_nfe": float(roll["nfe"].mean()), "mean_response_tokens": float(roll["loss_mask"].sum(1).mean()),
+          "replay_exact": float(seg["exact"].mean())}
+
+
+def prompt_iterator(prompts: dict, prompts_per_step: int, seed: int):
+  from dgr2_jax.task import pipeline
+  n = len(prompts["prompt_ids"])
+  if n < prompts_per_step:
+    raise ValueError(f"prompts_per_step ({prompts_per_step}) is more than the {n} train prompts")
+  return pipeline.make_iterator(prompts, prompts_per_step // jax.process_count(), seed=seed)
+
+
+def run(config, workdir: str) -> str:
+  from dgr2_jax.model import checkpoint as model_ckpt
+  from dgr2_jax.stages import pipeline
+  from dgr2_jax.train import opd, rollouts
+
+  oc = config.opd
+  if oc.teacher not in opd.TEACHERS:
+    raise ValueError(f"config.opd.teacher must be one of {opd.TEACHERS}, got {oc.teacher!r}")
+  src = oc.init_from or pipeline.previous_model_dir(config, workdir, STAGE)
+  teacher_dir = "" if oc.teacher == "self_tau1" else (oc.teacher_dir or pipeline.model_dir(workdir, "sft"))
+  if teacher_dir and not os.path.isdir(teacher_dir):
+    raise FileNotFoundError(f"config.opd.teacher_dir: {teacher_dir} not found (run the sft stage)")
+  out = common.stage_dir(workdir, STAGE)
+  traces_hash = (common.read_done(common.stage_dir(workdir, "traces")) or {}).get("config_hash")
+  chash = common.config_hash(config.seed, oc, config.decode, config.task, config.train.mesh,
+                             config.train.optimizer, src, model_hash(src), teacher_dir,
+                             model_hash(teacher_dir) if teacher_dir else None, traces_hash)
+  if common.is_fresh(out, chash):
+    return out
+  train_dir = prepare_train_dir(out, chash)
+  task = task_setup(config, workdir)
+  mc, params = model_ckpt.load_model_dir(src)
+  dc = rollout_decode_config(config, task["tids"], mc, oc.temperature)
+  bs, mask_id, g = dc.block_size, dc.mask_token_id, int(oc.rollouts_per_prompt)
+  student_cfg = mc.as_block_diffusion(bs, mask_id)
+  k = int(oc.teacher_top_k)
+  if k < 0 or k > mc.vocab_size:
+    raise ValueError(f"config.opd.teacher_top_k must be in [0, vocab_size={mc.vocab_size}], got {k}")
+
+  if oc.teacher == "ar":
+    tcfg, tparams = model_ckpt.load_model_dir(teacher_dir)
+    if tcfg.vocab_size != mc.vocab_size:
+      raise ValueError(f"teacher {teacher_dir} has vocab {tcfg.vocab_size}, student {src} has {mc.vocab_size}")
+    score = jax.jit(functools.partial(opd.ar_teacher_cache, tcfg.as_block_diffusion(1), top_k=k,
+                                      mask_id=mask_id))
+  else:  # frozen copy of the starting student, replayed on the serialised (tau=1) trajectory
+    tparams = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params)
+    score = jax.jit(functools.partial(opd.replay_teacher_cache, student_cfg, block_size=bs, top_k=k,
+                                      mask_id=mask_id))
+  tparams = jax.device_put(tparams)
+
+  def make_batch(p, prompts, key):
+    roll = rollouts.sample(student_cfg, p, prompts["prompt_ids"], prompts["prompt_len"], dc, key, g)
+    seg = rollouts.replay_inputs(roll, bs, mask_id)
+    if oc.teacher == "ar":
+      cache = score(tparams, roll["prompt_ids"], roll["prompt_len"], seg["clean"])
+    else:
+      tseg = rollouts.replay_inputs(roll, bs, mask_id, rollouts.serialize_commit_steps(roll["commit_step"], bs))
+      cache = score(tparams, roll["prompt_ids"], roll["prompt_len"],
+                    {n: tseg[n] for n in rollouts.SEGMENT_KEYS})
+    batch = dict(prompt=roll["prompt_ids"], prompt_len=roll["prompt_len"], loss_mask=roll["loss_mask"],
+                 **{n: seg[n] for n in rollouts.SEGMENT_KEYS},
+                 **{n: np.asarray(v) for n, v in cache.items()})
+    return batch, rollout_metrics(roll, score_rollouts(roll, prompts, g, task, alpha=0.2), seg)
+
+  n = len(task["prompts"]["prompt_ids"])
+  pps = int(oc.prompts_per_step)
+  steps = int(oc.steps) or max(1, int(oc.epochs) * n // pps)
+  tconf = on_policy_config(config, rows=pps * g, steps=steps, lr=oc.lr, grad_accum=oc.grad_accum_steps)
+  loss_fn = functools.partial(opd.opd_loss, student_cfg, block_size=bs, teacher_top_k=k, mask_id=mask_id)
+  state = rollouts.train_on_policy(tconf, train_dir, params=params, loss_fn=loss_fn, make_batch=make_batch,
+                                   prompt_iter=prompt_iterator(task["prompts"], pps, int(config.seed)),
+                                   desc=STAGE)
+  with common.atomic_dir(out, chash, extra={"steps": steps, "source": src, "teacher": teacher_dir or "self_tau1",
+                                            "examples": task["counts"]}) as tmp:
+    model_ckpt.save_model_dir(os.path.join(tmp, "model"), mc, state["params"], tokenizer_src=task["tok_dir"])
+    if jax.process_index() == 0:
+      os.replace(train_dir, os.path.join(tmp, "train"))
+  return out

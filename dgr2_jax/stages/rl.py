@@ -1,0 +1,87 @@
+"""Stage `rl`: trajectory-replay GRPO/DAPO on the rank-promotion reward (`train.grpo`).
+
+Reads the policy (`config.rl.init_from`, else the previous model stage's dir: `workdir/opd/model`
+normally) and the train split's prompts; writes `workdir/rl/model`, `workdir/rl/train/`
+(checkpoints, metrics.jsonl, tensorboard) and DONE.json. The same trainer serves the AR teacher:
+set `rl.init_from` to the SFT model dir and `decode.block_size=1` (B = 1 rollouts and replay).
+
+Per step (`rollouts.train_on_policy`): `rl.prompts_per_step` prompts x `rl.group_size` rollouts
+are decoded from the CURRENT params (`config.decode`, temperature `rl.temperature`), parsed and
+rewarded, group advantages computed (zero-variance groups dropped: their tokens get loss mask 0),
+and one optimizer step of `grpo.grpo_loss` is taken on the replayed log-probs (one update per
+batch, so the PPO ratio is 1 at the start of every step unless train.grad_accum_steps splits it;
+the clip matters once updates reuse rollouts). With `rl.kl_coef > 0` a frozen copy of the starting
+params supplies `ref_logp`. Metrics: loss, policy_loss, clip_fraction, ratio_mean, kl_ref,
+reward mean/std, valid_rate, overlong_rate, groups_dropped, mean_nfe, rollout/update time.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dgr2_jax.stages import common
+from dgr2_jax.stages import opd as opd_stage
+
+STAGE = "rl"
+
+
+def run(config, workdir: str) -> str:
+  from dgr2_jax.model import checkpoint as model_ckpt
+  from dgr2_jax.stages import pipeline
+  from dgr2_jax.train import grpo, replay, rollouts
+
+  rc = config.rl
+  if int(rc.group_size) < 2:
+    raise ValueError(f"config.rl.group_size must be >= 2 (group-normalised advantages), got {rc.group_size}")
+  src = rc.init_from or pipeline.previous_model_dir(config, workdir, STAGE)
+  out = common.stage_dir(workdir, STAGE)
+  traces_hash = (common.read_done(common.stage_dir(workdir, "traces")) or {}).get("config_hash")
+  chash = common.config_hash(config.seed, rc, config.decode, config.task, config.train.mesh,
+                             config.train.optimizer, src, opd_stage.model_hash(src), traces_hash)
+  if common.is_fresh(out, chash):
+    return out
+  train_dir = opd_stage.prepare_train_dir(out, chash)
+  task = opd_stage.task_setup(config, workdir)
+  mc, params = model_ckpt.load_model_dir(src)
+  dc = opd_stage.rollout_decode_config(config, task["tids"], mc, rc.temperature)
+  bs, mask_id, g = dc.block_size, dc.mask_token_id, int(rc.group_size)
+  policy_cfg = mc.as_block_diffusion(bs, mask_id)
+  kl_coef = float(rc.kl_coef)
+  dist = dict(temperature=dc.temperature, top_k=dc.top_k, top_p=dc.top_p, mask_id=mask_id)
+  if kl_coef > 0:
+    ref_params = jax.device_put(jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params))
+    ref_fn = jax.jit(lambda p, pr, pl, seg: replay.replay_logprobs(policy_cfg, p, pr, pl, seg, bs, **dist)[0])
+
+  def make_batch(p, prompts, key):
+    roll = rollouts.sample(policy_cfg, p, prompts["prompt_ids"], prompts["prompt_len"], dc, key, g)
+    seg = rollouts.replay_inputs(roll, bs, mask_id)
+    scored = opd_stage.score_rollouts(roll, prompts, g, task, float(rc.alpha))
+    adv, keep = grpo.group_advantages(scored["rewards"], g)
+    batch = dict(prompt=roll["prompt_ids"], prompt_len=roll["prompt_len"], old_logp=roll["logprob"],
+                 advantages=adv, loss_mask=roll["loss_mask"] & keep[:, None],
+                 **{n: seg[n] for n in rollouts.SEGMENT_KEYS})
+    if kl_coef > 0:
+      batch["ref_logp"] = np.asarray(ref_fn(ref_params, batch["prompt"], batch["prompt_len"],
+                                            {n: seg[n] for n in rollouts.SEGMENT_KEYS}))
+    m = opd_stage.rollout_metrics(roll, scored, seg)
+    m["groups_dropped"] = float(1.0 - keep.reshape(-1, g)[:, 0].mean())
+    return batch, m
+
+  pps = int(rc.prompts_per_step)
+  steps = int(rc.steps)
+  tconf = opd_stage.on_policy_config(config, rows=pps * g, steps=steps, lr=rc.lr, grad_accum=rc.grad_accum_steps)
+  loss_fn = functools.partial(grpo.grpo_loss, policy_cfg, block_size=bs, clip_low=float(rc.clip_eps),
+                              clip_high=float(rc.clip_eps_high), kl_coef=kl_coef, **dist)
+  state = rollouts.train_on_policy(tconf, train_dir, params=params, loss_fn=loss_fn, make_batch=make_batch,
+                                   prompt_iter=opd_stage.prompt_iterator(task["prompts"], pps, int(config.seed)),
+                                   desc=STAGE)
+  with common.atomic_dir(out, chash, extra={"steps": steps, "source": src, "examples": task["counts"]}) as tmp:
+    model_ckpt.save_model_dir(os.path.join(tmp, "model"), mc, state["params"], tokenizer_src=task["tok_dir"])
+    if jax.process_index() == 0:
+      os.replace(train_dir, os.path.join(tmp, "train"))
+  return out

@@ -1,0 +1,125 @@
+"""Trajectory-replay GRPO/DAPO: the RL trainer for the AR teacher (B = 1) and the diffusion model.
+
+Reward (GR2's rank promotion, `rewards`): with r_D = the target's 1-based rank in the retriever
+list D and r_o its rank in the output ranking,
+    R = (r_D - r_o) / N + alpha * R_fmt,  R_fmt = 1 if r_o < r_D or r_D = r_o = 1 else 0.
+An invalid output (parser verdict != valid) or an overlong one (no EOS within max_new_tokens,
+passed as `None`) gets R = -1 and stays in its group.
+
+Advantages (`group_advantages`): rewards come in consecutive groups of G rollouts of one prompt;
+A = (R - mean) / std within the group (population std, ddof 0). A group whose rewards have
+std <= 1e-6 has no defined advantage and is dropped (keep_mask 0, A = 0).
+
+Objective (`ppo_terms`, DAPO token-level): with rho = exp(logp - old_logp) per committed token,
+    J = sum_tokens min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) / (number of tokens in the batch)
+where the tokens are the committed ones at or before the first EOS of rollouts in kept groups
+(`loss_mask`); loss = -J + kl_coef * mean_tokens k3, with the k3 estimator of KL(pi || pi_ref):
+k3 = exp(ref - logp) - (ref - logp) - 1. `logp` are the current params' REPLAYED log-probs under
+the decoding distribution of the rollout (same temperature/top-k/top-p), `old_logp` the ones the
+decoder recorded, so rho = 1 exactly before the first update (tests/test_cft_replay.py).
+The token count is metrics["denominator"] (gradient accumulation = the big batch).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from dgr2_jax.task import metrics as metrics_lib
+from dgr2_jax.train import replay
+
+
+def rl_config() -> ml_collections.ConfigDict:
+  """Defaults for `config.rl` (paper: Appendix B/C)."""
+  c = ml_collections.ConfigDict()
+  c.init_from = ""             # '' => the previous model stage's dir (workdir/opd/model normally)
+  c.group_size = 8             # G
+  c.lr = 5e-7                  # constant
+  c.steps = 600
+  c.prompts_per_step = 16      # groups per step (batch rows = prompts_per_step * group_size)
+  c.alpha = 0.2                # weight of the conditional format reward
+  c.clip_eps = 0.2             # eps_low
+  c.clip_eps_high = 0.2        # eps_high (DAPO clip-higher when > clip_eps)
+  c.kl_coef = 0.0              # > 0: k3 KL to the starting (reference) model
+  c.temperature = 1.0          # rollout sampling temperature
+  c.grad_accum_steps = 1
+  return c
+
+
+def reward(parsed, target_rank_in_d: int, n: int, alpha: float) -> float:
+  """One rollout's reward; `parsed` is an `answer.Parsed`, or None for an overlong rollout."""
+  if target_rank_in_d < 1:
+    raise ValueError(f"target_rank_in_D must be a 1-based rank (target among the candidates), got "
+                     f"{target_rank_in_d}")
+  if parsed is None or not parsed.valid:
+    return -1.0
+  r_o = metrics_lib.target_rank(parsed.positions, target_rank_in_d - 1)
+  r_rank = (target_rank_in_d - r_o) / n
+  fmt = 1.0 if (r_o < target_rank_in_d or (target_rank_in_d == 1 and r_o == 1)) else 0.0
+  return float(r_rank + alpha * fmt)
+
+
+def rewards(parsed: Sequence, target_rank_in_d: Sequence[int], n: int, alpha: float) -> np.ndarray:
+  """Vectorised `reward` -> float32 [len(parsed)]."""
+  return np.asarray([reward(p, int(t), n, alpha) for p, t in zip(parsed, target_rank_in_d)], np.float32)
+
+
+def group_advantages(rewards_: np.ndarray, group_size: int, eps: float = 1e-6):
+  """-> (advantages [n*G] f32, keep_mask [n*G] bool); see the module docstring."""
+  r = np.asarray(rewards_, np.float64)
+  if r.size % group_size:
+    raise ValueError(f"{r.size} rewards are not a whole number of groups of {group_size}")
+  g = r.reshape(-1, group_size)
+  mean, std = g.mean(1, keepdims=True), g.std(1, keepdims=True)
+  keep = np.broadcast_to(std > eps, g.shape)
+  adv = np.where(keep, (g - mean) / np.where(keep, std, 1.0), 0.0)
+  return adv.reshape(-1).astype(np.float32), keep.reshape(-1)
+
+
+def ppo_terms(logp, old_logp, adv, mask, *, clip_low: float = 0.2, clip_high: float = 0.2,
+              kl_coef: float = 0.0, ref_logp=None) -> tuple[jax.Array, dict]:
+  """The clipped token-level objective from given log-probs [b,R], advantages [b], mask [b,R]."""
+  m = mask.astype(jnp.float32)
+  denom = jnp.sum(m)
+  # Uncommitted positions score the mask token (log-prob ~ -1e30): zero them so no inf/NaN leaks.
+  on = mask.astype(bool)
+  logp, old_logp = jnp.where(on, logp, 0.0), jnp.where(on, old_logp, 0.0)
+  ref_logp = None if ref_logp is None else jnp.where(on, ref_logp, 0.0)
+  norm = lambda x: jnp.sum(m * x) / jnp.maximum(denom, 1.0)
+  a = adv.astype(jnp.float32)[:, None]
+  ratio = jnp.exp(logp - old_logp)
+  clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+  surr = jnp.minimum(ratio * a, clipped * a)
+  loss = -norm(surr)
+  # Tokens whose gradient the clip removes (the min picks the clipped term and it is constant).
+  clip_active = ((a > 0) & (ratio > 1.0 + clip_high)) | ((a < 0) & (ratio < 1.0 - clip_low))
+  metrics = {"policy_loss": loss, "clip_fraction": norm(clip_active.astype(jnp.float32)),
+             "ratio_mean": norm(ratio), "tokens": denom, "denominator": denom}
+  if ref_logp is not None:
+    d = ref_logp - logp
+    kl = norm(jnp.exp(d) - d - 1.0)
+    loss = loss + kl_coef * kl
+    metrics["kl_ref"] = kl
+  return loss, metrics
+
+
+def grpo_loss(model_config, params, batch: dict, rng=None, *, block_size: int, clip_low: float = 0.2,
+              clip_high: float = 0.2, kl_coef: float = 0.0, temperature: float = 1.0, top_k: int = 0,
+              top_p: float = 1.0, mask_id=None) -> tuple[jax.Array, dict]:
+  """-> (loss, metrics). batch: prompt [b,P], prompt_len [b], clean/seg_tokens/pred_seg (replay),
+  old_logp [b,R], advantages [b], loss_mask [b,R] (already 0 on dropped groups), and ref_logp
+  [b,R] when kl_coef > 0."""
+  del rng
+  mask_id = model_config.mask_token_id if mask_id is None else mask_id
+  logp, _ = replay.replay_logprobs(model_config, params, batch["prompt"], batch["prompt_len"],
+                                   {k: batch[k] for k in ("clean", "seg_tokens", "pred_seg")}, block_size,
+                                   temperature=temperature, top_k=top_k, top_p=top_p, mask_id=mask_id)
+  ref = batch.get("ref_logp") if kl_coef > 0 else None
+  if kl_coef > 0 and ref is None:
+    raise ValueError("rl.kl_coef > 0 needs ref_logp in the batch")
+  return ppo_terms(logp, batch["old_logp"], batch["advantages"], batch["loss_mask"], clip_low=clip_low,
+                   clip_high=clip_high, kl_coef=kl_coef, ref_logp=ref)

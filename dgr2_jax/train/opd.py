@@ -1,0 +1,139 @@
+"""On-policy distillation (OPD): forward KL(teacher || student) on the student's own rollouts.
+
+Both sides are next-token distributions at the same response index r (AR token shift):
+  * teacher 'ar' (default): the frozen AR teacher scores prompt + rollout once, causally
+    (`losses.response_logits`, block size 1) -> its distribution for token r given P, o_<r;
+  * student: `replay.replay_logits` on the rollout's replayed canvases (block-causal + token
+    shift) -> exactly the distribution the decoder drew token r from (before temperature).
+Distributions are softmax(logits) with the mask token removed (it is never a valid output), at
+temperature 1. The teacher is computed once per trajectory, before the update, and cached in
+the batch (`teacher_cache`):
+  * teacher_top_k = 0: full-vocabulary log-probs `teacher_logp [b,R,V]` (4*V bytes per token);
+  * teacher_top_k = k: `teacher_topk_logp [b,R,k]`, `teacher_topk_idx [b,R,k]` and the log of
+    the remaining mass `teacher_rest_logp [b,R]` (8k + 4 bytes per token). The KL is then taken
+    over k + 1 outcomes: the teacher's top-k tokens plus one "rest" bucket,
+      sum_{i in topk} p_t(i) (log p_t(i) - log p_s(i)) + p_t(rest) (log p_t(rest) - log p_s(rest)),
+    with p_s(rest) = 1 - sum_{i in topk} p_s(i) (computed as a logsumexp over the other tokens).
+    This is the KL between the two distributions coarsened to those k + 1 outcomes, so it is
+    <= the full KL (data processing) and equals it when k = V.
+Loss = sum over committed positions at or before the first EOS (`loss_mask`) of the KL, divided
+by their count in the batch (token-level mean; the count is metrics["denominator"], so gradient
+accumulation equals the big batch).
+
+Variant teacher 'self_tau1' (more decode compute as the teacher, a latency lever): the teacher is
+a frozen copy of the student's starting diffusion model. For each student rollout we build the
+tau = 1.0 trajectory that commits the SAME tokens in the SAME order, one token per step (tokens the
+student committed together in one step are serialised left to right,
+`rollouts.serialize_commit_steps`), and the teacher distribution at r is that model's replayed
+distribution on its canvas there (every token committed before r in that order is visible).
+Teacher-forcing the student's tokens keeps per-position targets; an independent tau = 1 rollout
+would produce other tokens and give no target at the student's positions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from dgr2_jax.train import losses
+from dgr2_jax.train import replay
+
+_NEG = -1e30
+TEACHERS = ("ar", "self_tau1")
+CACHE_KEYS = {0: ("teacher_logp",), 1: ("teacher_topk_logp", "teacher_topk_idx", "teacher_rest_logp")}
+
+
+def opd_config() -> ml_collections.ConfigDict:
+  """Defaults for `config.opd` (paper: Appendix A/C)."""
+  c = ml_collections.ConfigDict()
+  c.init_from = ""             # '' => the previous model stage's dir (workdir/cft/model normally)
+  c.teacher_dir = ""           # '' => workdir/sft/model (the AR teacher); unused for 'self_tau1'
+  c.teacher = "ar"             # 'ar' | 'self_tau1' (see dgr2_jax/train/opd.py)
+  c.rollouts_per_prompt = 4    # G'
+  c.lr = 1e-6                  # constant
+  c.prompts_per_step = 128
+  c.epochs = 1
+  c.steps = 0                  # 0 => epochs * train prompts // prompts_per_step
+  c.teacher_top_k = 0          # 0 = full-vocabulary teacher cache
+  c.temperature = 1.0          # rollout sampling temperature
+  c.grad_accum_steps = 1
+  return c
+
+
+def log_dist(logits, mask_id=None):
+  """log softmax with the mask token removed (f32)."""
+  x = logits.astype(jnp.float32)
+  if mask_id is not None:
+    x = x.at[..., mask_id].set(_NEG)
+  return jax.nn.log_softmax(x, axis=-1)
+
+
+def cache_from_logprobs(logp, top_k: int = 0) -> dict:
+  """Teacher cache from its log-probs [b,R,V] (see the module docstring)."""
+  if top_k <= 0:
+    return {"teacher_logp": logp}
+  vals, idx = jax.lax.top_k(logp, int(top_k))
+  rest = _rest_logp(logp, idx)
+  return {"teacher_topk_logp": vals, "teacher_topk_idx": idx.astype(jnp.int32), "teacher_rest_logp": rest}
+
+
+def _rest_logp(logp, idx):
+  """log of the mass outside the indices `idx` [...,k] (>= _NEG, so 0 * it stays finite)."""
+  in_k = jnp.zeros(logp.shape, bool)
+  in_k = jnp.put_along_axis(in_k, idx, True, axis=-1, inplace=False)
+  return jnp.maximum(jax.nn.logsumexp(jnp.where(in_k, _NEG, logp), axis=-1), _NEG)
+
+
+def ar_teacher_cache(teacher_config, teacher_params, prompt, prompt_len, clean, *, top_k: int = 0,
+                     mask_id=None) -> dict:
+  """The AR teacher's causal next-token distributions on prompt + rollout, as a cache."""
+  logits = losses.response_logits(teacher_config, teacher_params,
+                                  {"prompt_ids": prompt, "prompt_len": prompt_len, "response_ids": clean})
+  return cache_from_logprobs(log_dist(logits, mask_id), top_k)
+
+
+def replay_teacher_cache(model_config, teacher_params, prompt, prompt_len, segments, block_size: int, *,
+                         top_k: int = 0, mask_id=None) -> dict:
+  """A diffusion teacher's replayed distributions on `segments` (the 'self_tau1' variant)."""
+  logits = replay.replay_logits(model_config, teacher_params, prompt, prompt_len, segments, block_size)
+  return cache_from_logprobs(log_dist(logits, mask_id), top_k)
+
+
+def kl_from_cache(cache: dict, student_logp) -> jax.Array:
+  """KL(teacher || student) [b,R] per position; full or top-k + rest (module docstring)."""
+  if "teacher_logp" in cache:
+    lt = cache["teacher_logp"]
+    pt = jnp.exp(lt)
+    return jnp.sum(jnp.where(pt > 0, pt * (lt - student_logp), 0.0), axis=-1)
+  lt, idx = cache["teacher_topk_logp"], cache["teacher_topk_idx"]
+  ls = jnp.take_along_axis(student_logp, idx, axis=-1)
+  pt = jnp.exp(lt)
+  kl = jnp.sum(jnp.where(pt > 0, pt * (lt - ls), 0.0), axis=-1)
+  lt_rest = cache["teacher_rest_logp"]
+  ls_rest = _rest_logp(student_logp, idx)
+  pt_rest = jnp.exp(lt_rest)
+  return kl + jnp.where(pt_rest > 0, pt_rest * (lt_rest - ls_rest), 0.0)
+
+
+def opd_loss(student_config, params, batch: dict, rng=None, *, block_size: int, teacher_top_k: int = 0,
+             mask_id=None) -> tuple[jax.Array, dict]:
+  """-> (loss, metrics). batch: prompt [b,P], prompt_len [b], clean [b,R], seg_tokens, pred_seg,
+  loss_mask [b,R] and the teacher cache (keys of `cache_from_logprobs` for `teacher_top_k`)."""
+  del rng
+  need = CACHE_KEYS[int(teacher_top_k > 0)]
+  missing = [k for k in need if k not in batch]
+  if missing:
+    raise ValueError(f"OPD batch lacks teacher cache fields {missing} for teacher_top_k={teacher_top_k}")
+  mask_id = student_config.mask_token_id if mask_id is None else mask_id
+  logits = replay.replay_logits(student_config, params, batch["prompt"], batch["prompt_len"],
+                                {k: batch[k] for k in ("clean", "seg_tokens", "pred_seg")}, block_size)
+  ls = log_dist(logits, mask_id)
+  kl = kl_from_cache({k: batch[k] for k in need}, ls)
+  m = batch["loss_mask"].astype(jnp.float32)
+  denom = jnp.sum(m)
+  loss = jnp.sum(m * kl) / jnp.maximum(denom, 1.0)
+  # Agreement of the argmaxes: a cheap readable progress signal next to the KL.
+  t_top = batch["teacher_topk_idx"][..., 0] if teacher_top_k > 0 else jnp.argmax(batch["teacher_logp"], -1)
+  agree = jnp.sum(m * (jnp.argmax(ls, -1) == t_top)) / jnp.maximum(denom, 1.0)
+  return loss, {"kl_to_teacher": loss, "top1_agreement": agree, "tokens": denom, "denominator": denom}

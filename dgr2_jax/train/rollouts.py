@@ -1,0 +1,181 @@
+"""On-policy rollouts for OPD and RL, and the training loop that makes them from the live params.
+
+Rollouts (`sample`): the eval decoder in sampling mode. Each prompt is repeated `group_size`
+times (rows g*G .. g*G+G-1 are the group of prompt g) and the whole batch is decoded by ONE call
+of `sampler.compiled_decoder` (the same jitted function `sampler.generate` and eval use, same
+static shapes) with one PRNG key; the decoder splits that key per row, so the copies of a prompt
+get different samples. `replay_inputs` then builds the replay segments host-side
+(`replay.build_segments`), which `replay.replay_logits` scores under the current params.
+
+Sharding: pass `batch_sharding` (e.g. `NamedSharding(mesh, P(('data', 'fsdp')))`, what
+`mesh.batch_sharding` returns) and the prompt arrays are placed with it before the jitted decoder
+runs; jit partitions the whole decode over the data axis (every op is per row except the
+all-rows-done test of the while loop, which becomes an all-reduce). The params keep the train
+state's shardings. On CPU a single device is used and this is a no-op.
+
+On-policy loop (`train_on_policy`): `loop.train` pulls batches from an iterator that cannot see
+the params, so on-policy stages use this twin of it built from the same pieces
+(`loop.make_train_step`, `loop.state_shardings`, `loop.init_state`, `train.checkpoint`,
+`train.metrics`): per step it draws a batch of prompts from `prompt_iter` (a checkpointable grain
+iterator), calls `make_batch(params, prompts, step_key)` with the CURRENT params (rollouts, reward
+or teacher scoring, replay inputs; host-side), then runs the jitted train step on the result.
+Resume, the data-iterator state, the NaN guard and the metric sinks behave as in `loop.train`;
+`make_batch`'s host metrics (reward, NFE, rollout time, ...) are logged with the step's metrics.
+The rollout key of step s is `fold_in(PRNGKey(seed + 1), s)`, so a resumed run replays exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dgr2_jax.decode import sampler
+from dgr2_jax.train import checkpoint as ckpt_lib
+from dgr2_jax.train import loop
+from dgr2_jax.train import mesh as mesh_lib
+from dgr2_jax.train import metrics as metrics_lib
+from dgr2_jax.train import optim
+from dgr2_jax.train import replay
+
+SEGMENT_KEYS = ("clean", "seg_tokens", "pred_seg")
+
+
+def sample(model_config, params, prompt_ids, prompt_len, decode_config: sampler.DecodeConfig, rng,
+           group_size: int = 1, batch_sharding=None) -> dict:
+  """Decodes `group_size` rollouts of each prompt (left-padded `prompt_ids [n,P]`, `prompt_len [n]`).
+
+  Returns numpy arrays over n*G rows: prompt_ids, prompt_len, tokens, commit_step, logprob
+  (decode-time, under the decoding distribution), nfe, eos_pos, finished (an EOS was committed
+  within max_new_tokens), loss_mask (committed and at or before the first EOS), and output_ids.
+  """
+  dc = decode_config
+  if dc.block_size > 1 and model_config.attention != "block_causal":
+    model_config = model_config.as_block_diffusion(dc.block_size, dc.mask_token_id)
+  mask_id = dc.mask_token_id if dc.mask_token_id is not None else dc.pad_id
+  fn = sampler.compiled_decoder(model_config, dc.block_size, dc.max_new_tokens, tuple(dc.eos_ids),
+                                mask_id)
+  prompt_ids = np.repeat(np.asarray(prompt_ids, np.int32), group_size, axis=0)
+  prompt_len = np.repeat(np.asarray(prompt_len, np.int32), group_size, axis=0)
+  toks, lens = jnp.asarray(prompt_ids), jnp.asarray(prompt_len)
+  if batch_sharding is not None:
+    toks, lens = jax.device_put(toks, batch_sharding), jax.device_put(lens, batch_sharding)
+  out = fn(params, toks, lens, jnp.float32(dc.threshold), jnp.float32(dc.temperature),
+           jnp.int32(dc.top_k), jnp.float32(dc.top_p), rng)
+  out = {k: np.asarray(v) for k, v in out.items()}
+  r = out["tokens"].shape[1]
+  eos_pos = out["eos_pos"]
+  out.update(prompt_ids=prompt_ids, prompt_len=prompt_len, finished=eos_pos < r,
+             loss_mask=(out["commit_step"] >= 0) & (np.arange(r)[None] <= eos_pos[:, None]))
+  out["output_ids"] = [row[:min(int(e) + 1, r)].tolist() for row, e in zip(out["tokens"], eos_pos)]
+  return out
+
+
+def replay_inputs(rollouts: dict, block_size: int, mask_id: int, commit_step=None,
+                  max_segments_per_block: int = 0) -> dict:
+  """Replay arrays (clean, seg_tokens, pred_seg) + `exact` [b] from rollouts (host NumPy).
+
+  `commit_step` overrides the rollout's (the self-teacher's serialised order, see
+  `serialize_commit_steps`); `max_segments_per_block` 0 = the block size (always exact).
+  """
+  cs = rollouts["commit_step"] if commit_step is None else commit_step
+  seg = replay.build_segments(rollouts["tokens"], cs, block_size,
+                              max_segments_per_block or block_size, mask_id)
+  return {k: seg[k] for k in SEGMENT_KEYS + ("exact",)}
+
+
+def serialize_commit_steps(commit_step: np.ndarray, block_size: int) -> np.ndarray:
+  """The tau=1 version of a trajectory: one commit per step, in the rollout's commit order.
+
+  Inside each block, committed positions are ordered by (commit_step, position) - tokens the
+  rollout committed together in one step are serialised left to right - and numbered with
+  consecutive global steps; -1 (never committed) stays -1.
+  """
+  b, r = commit_step.shape
+  out = np.full_like(commit_step, -1)
+  for row in range(b):
+    step = 0
+    for j in range(r // block_size):
+      cs = commit_step[row, j * block_size:(j + 1) * block_size]
+      idx = [i for i in np.lexsort((np.arange(block_size), cs)) if cs[i] >= 0]
+      for i in idx:
+        out[row, j * block_size + i] = step
+        step += 1
+  return out
+
+
+def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
+                    make_batch: Callable[[dict, dict, jax.Array], tuple[dict, dict]],
+                    prompt_iter, mesh=None, desc: str = "on-policy") -> dict:
+  """`loop.train` for on-policy stages (see the module docstring). `config.train.batch_size` is
+  the number of ROWS `make_batch` returns (prompts per step * rollouts per prompt)."""
+  mesh_lib.maybe_initialize_distributed()
+  tc = config.train
+  total, gb, k = int(tc.total_steps), int(tc.batch_size), int(tc.grad_accum_steps)
+  if total <= 0:
+    raise ValueError(f"train.total_steps must be positive, got {total}")
+  if k <= 0 or gb % k:
+    raise ValueError(f"train.batch_size ({gb}) must be divisible by train.grad_accum_steps ({k})")
+  master_dtype = loop._DTYPES[tc.param_dtype]  # pylint: disable=protected-access
+  mesh = mesh if mesh is not None else mesh_lib.make_mesh(tc.mesh)
+  rules = tuple(tc.logical_axis_rules)
+  optimizer, schedule = optim.make_optimizer(tc.optimizer, total)
+  param_shapes = jax.eval_shape(lambda p: loop.cast_floats(p, master_dtype), params)
+  shapes, shardings = loop.state_shardings(param_shapes, optimizer, mesh, rules)
+  b_sh = mesh_lib.batch_sharding(mesh, rules, gb)
+  mb_sh = mesh_lib.batch_sharding(mesh, rules, gb // k) if k > 1 else None
+
+  manager = ckpt_lib.make_manager(workdir, tc.keep_checkpoints, tc.async_checkpointing)
+  start = manager.latest_step()
+  if start is not None:
+    state, data_state = ckpt_lib.restore(manager, start, ckpt_lib.abstract_like(shapes, shardings))
+    if data_state and hasattr(prompt_iter, "set_state"):
+      prompt_iter.set_state(data_state)
+    logging.info("%s: resumed from step %d in %s", desc, start, workdir)
+  else:
+    start = 0
+    state = loop.init_state(params, optimizer, shardings, config.seed, master_dtype)
+
+  rep = NamedSharding(mesh, P())
+  step_fn = jax.jit(loop.make_train_step(loss_fn, optimizer, schedule, k, mb_sh),
+                    in_shardings=(shardings, b_sh), out_shardings=(shardings, rep),
+                    donate_argnums=(0,))
+  writer = metrics_lib.MetricsWriter(workdir, total, start, bool(tc.tensorboard),
+                                     jax.process_index() == 0, desc)
+  rollout_root = jax.random.PRNGKey(int(config.seed) + 1)
+  ckpt_every = max(int(tc.checkpoint_every), 1)
+  last_saved = start if start else None
+  try:
+    for s in range(start + 1, total + 1):
+      t0 = time.perf_counter()
+      prompts = next(prompt_iter)
+      batch, host_m = make_batch(state["params"], prompts, jax.random.fold_in(rollout_root, s))
+      t1 = time.perf_counter()
+      state, m = step_fn(state, mesh_lib.shard_batch(batch, b_sh, gb))
+      m = {n: float(v) for n, v in jax.device_get(m).items()}
+      m.update({n: float(v) for n, v in host_m.items()})
+      m.update(rollout_time_s=t1 - t0, update_time_s=time.perf_counter() - t1)
+      if not math.isfinite(m["loss"]):
+        writer.write(s, m)
+        manager.wait_until_finished()
+        where = (f"step {last_saved} in {manager.directory}" if last_saved is not None
+                 else "none (no checkpoint was written yet)")
+        raise FloatingPointError(f"{desc}: loss is {m['loss']} at step {s} (of {total}); stopped "
+                                 f"without saving. Last good checkpoint: {where}")
+      writer.write(s, m)
+      writer.bar(s, m)
+      if s % ckpt_every == 0 or s == total:
+        ckpt_lib.save(manager, s, state, prompt_iter.get_state() if hasattr(prompt_iter, "get_state")
+                      else None)
+        last_saved = s
+    manager.wait_until_finished()
+  finally:
+    writer.close()
+    manager.close()
+  return state
