@@ -1,6 +1,7 @@
 """Stage `cft`: conversion fine-tuning of the block-diffusion copy of the AR teacher -> `workdir/cft/`.
 
-Starts from `config.cft.init_from` ('' = `workdir/sft/model`, the AR teacher), converts it without
+Starts from `config.cft.init_from` ('' = the previous model stage's: `workdir/convert/model`, the naive
+conversion, or `workdir/sft/model`, the AR teacher, when convert is not in the pipeline), converts it without
 touching the weights (`Qwen3Config.as_block_diffusion(cft.block_size)`; the mask token is the
 tokenizer's `<|mask|>`), and trains `dgr2_jax.train.cft.cft_loss` with the shared loop on the traces
 stage's training split. `cft.epochs` (paper: 3) sets the step count; `cft.lr` (0 = train.optimizer
@@ -43,15 +44,17 @@ def run(config, workdir: str) -> str:
   from dgr2_jax.task import tokenizer as tok_lib
   from dgr2_jax.train import cft, loop
 
+  from dgr2_jax.stages import pipeline as pipeline_stage
   cc = config.cft
-  init_from = cc.get("init_from", "") or os.path.join(common.stage_dir(workdir, "sft"), "model")
-  upstream = [(common.read_done(common.stage_dir(workdir, s)) or {}).get("config_hash") for s in ("traces", "sft")]
+  prev = pipeline_stage.previous_model_stage(config, STAGE)
+  init_from = cc.get("init_from", "") or pipeline_stage.model_dir(workdir, prev)
+  upstream = [(common.read_done(common.stage_dir(workdir, s)) or {}).get("config_hash") for s in ("traces", prev)]
   chash = common.config_hash(config.seed, cc, config.train, config.task, init_from, upstream)
   out = common.stage_dir(workdir, STAGE)
   if common.is_fresh(out, chash):
     return out
   if not os.path.isdir(init_from):
-    raise FileNotFoundError(f"cft: the model to convert does not exist: {init_from} (run the sft stage, "
+    raise FileNotFoundError(f"cft: the model to convert does not exist: {init_from} (run the {prev} stage, "
                             "or set cft.init_from)")
   train_dir = prepare_train_dir(out, chash)
 

@@ -12,7 +12,9 @@ import os
 import time
 
 from absl import logging
+import grain
 
+from dgr2_jax.data import api
 from dgr2_jax.data import beauty
 from dgr2_jax.data import tfds_builders
 from dgr2_jax.stages import common
@@ -30,7 +32,6 @@ def stage_hash(config) -> str:
 
 def run(config, workdir: str) -> dict:
   """Builds (or reuses) `workdir/data`; returns the stats dict."""
-  from dgr2_jax.data import api  # api imports stages.common; keep the import graph flat
   out = common.stage_dir(workdir, "data")
   chash = stage_hash(config)
   if common.is_fresh(out, chash):
@@ -43,7 +44,6 @@ def run(config, workdir: str) -> dict:
     tfds_builders.build(config.data, int(config.seed), tfds_dir)
     # Read back through the TFDS data source + grain: the stats check the stored records.
     src = tfds_builders.data_source(tfds_dir)
-    import grain
     test = list(grain.MapDataset.source(src["test"]))
     items = list(grain.MapDataset.source(src["items"]))
     seqs = [[int(i) for i in r["history"]] + [int(r["target"])] for r in test]

@@ -22,29 +22,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dgr2_jax.stages import common
+from dgr2_jax.stages import sft as sft_stage
 
 STAGE = "opd"
 PROMPT_KEYS = ("prompt_ids", "prompt_len", "target_rank_in_candidates", "candidates", "example_id")
-
-
-def prepare_train_dir(out: str, chash: str) -> str:
-  """`out/train` for a (possibly resumed) run of config `chash`; a stale/other run is wiped."""
-  train_dir = os.path.join(out, "train")
-  stamp = os.path.join(train_dir, "config_hash")
-  if os.path.exists(out) and (common.read_done(out) is not None or not os.path.exists(stamp)
-                              or open(stamp).read().strip() != chash):
-    shutil.rmtree(out)
-  os.makedirs(train_dir, exist_ok=True)
-  with open(stamp, "w") as f:
-    f.write(chash)
-  return train_dir
 
 
 def model_hash(model_dir: str):
@@ -79,6 +66,13 @@ def on_policy_config(config, *, rows: int, steps: int, lr: float, grad_accum: in
   c.train.optimizer.schedule = "constant"
   c.train.optimizer.warmup_steps = 0
   return c
+
+
+def load_policy(config, model_dir: str):
+  """(config, params) of a model dir, with `config.model`'s compute dtype / remat (as CFT does)."""
+  from dgr2_jax.model import checkpoint as model_ckpt
+  mc, params = model_ckpt.load_model_dir(model_dir)
+  return mc.replace(dtype=config.model.get("dtype", mc.dtype), remat=bool(config.model.get("remat", False))), params
 
 
 def rollout_decode_config(config, tids, model_config, temperature: float):
@@ -139,9 +133,9 @@ def run(config, workdir: str) -> str:
                              model_hash(teacher_dir) if teacher_dir else None, traces_hash)
   if common.is_fresh(out, chash):
     return out
-  train_dir = prepare_train_dir(out, chash)
+  train_dir = sft_stage.prepare_train_dir(out, chash)
   task = task_setup(config, workdir)
-  mc, params = model_ckpt.load_model_dir(src)
+  mc, params = load_policy(config, src)
   dc = rollout_decode_config(config, task["tids"], mc, oc.temperature)
   bs, mask_id, g = dc.block_size, dc.mask_token_id, int(oc.rollouts_per_prompt)
   student_cfg = mc.as_block_diffusion(bs, mask_id)

@@ -16,8 +16,9 @@ import json
 import os
 import time
 
-import numpy as np
 from absl import logging
+import flax.serialization
+import numpy as np
 
 from dgr2_jax.data import api
 from dgr2_jax.data import sasrec
@@ -99,7 +100,6 @@ def run(config, workdir: str) -> dict:
       vh, vt = api.split_examples(seqs, "valid")
       log = trainer.fit(vh, vt)
       cands = {s: trainer.rank(api.split_examples(seqs, s)[0], None, k)[0] for s in api.SPLITS}
-      import flax.serialization
       with open(os.path.join(tmp, "params.msgpack"), "wb") as f:
         f.write(flax.serialization.to_bytes(trainer.params))
     metrics = {}

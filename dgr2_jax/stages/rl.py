@@ -26,6 +26,7 @@ import numpy as np
 
 from dgr2_jax.stages import common
 from dgr2_jax.stages import opd as opd_stage
+from dgr2_jax.stages import sft as sft_stage
 
 STAGE = "rl"
 
@@ -45,9 +46,9 @@ def run(config, workdir: str) -> str:
                              config.train.optimizer, src, opd_stage.model_hash(src), traces_hash)
   if common.is_fresh(out, chash):
     return out
-  train_dir = opd_stage.prepare_train_dir(out, chash)
+  train_dir = sft_stage.prepare_train_dir(out, chash)
   task = opd_stage.task_setup(config, workdir)
-  mc, params = model_ckpt.load_model_dir(src)
+  mc, params = opd_stage.load_policy(config, src)
   dc = opd_stage.rollout_decode_config(config, task["tids"], mc, rc.temperature)
   bs, mask_id, g = dc.block_size, dc.mask_token_id, int(rc.group_size)
   policy_cfg = mc.as_block_diffusion(bs, mask_id)

@@ -7,6 +7,7 @@ index), `tokens.txt` (every SID token, for the conversion tool's --add_tokens), 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -35,7 +36,6 @@ def run(config, workdir: str) -> dict:
   chash = _hash(config, workdir)
   if common.is_fresh(out, chash):
     logging.info("sids: fresh (%s)", chash)
-    import json
     with open(os.path.join(out, "stats.json")) as f:
       return json.load(f)
   cfg = config.sids
