@@ -31,6 +31,11 @@ flags.DEFINE_list("stages", "data,sids,retriever", "Stages to run.")
 FLAGS = flags.FLAGS
 
 
+def _done_mtime(wd, stage):
+  p = os.path.join(wd, stage, "DONE.json")
+  return os.path.getmtime(p) if os.path.exists(p) else None
+
+
 def main(_):
   c = ml_collections.ConfigDict({"seed": 0, "data": data_config.data_config(),
                                  "sids": data_config.sids_config(),
@@ -49,21 +54,27 @@ def main(_):
   if os.path.exists(bench) and not FLAGS.fresh:  # keep the timings of stages run earlier
     with open(bench) as f:
       res = json.load(f)
+  def ran(stage, before):  # a cached (fresh) stage keeps the timing of the run that built it
+    return _done_mtime(wd, stage) != before
+
   if "data" in FLAGS.stages:
-    t = time.time()
+    t, m = time.time(), _done_mtime(wd, "data")
     res["data"] = data_stage.run(c, wd)
-    res["wall_seconds"]["build"] = time.time() - t
+    if ran("data", m):
+      res["wall_seconds"]["build"] = time.time() - t
   if "sids" in FLAGS.stages:
-    t = time.time()
+    t, m = time.time(), _done_mtime(wd, "sids")
     st = sids_stage.run(c, wd)
-    res["wall_seconds"]["sids_stage"] = time.time() - t
-    res["wall_seconds"]["embed"] = st["embed_seconds"]
-    res["wall_seconds"]["rqvae"] = st["rqvae_seconds"]
+    if ran("sids", m):
+      res["wall_seconds"]["sids_stage"] = time.time() - t
+      res["wall_seconds"]["embed"] = st["embed_seconds"]
+      res["wall_seconds"]["rqvae"] = st["rqvae_seconds"]
     res["sids"] = st
   if "retriever" in FLAGS.stages:
-    t = time.time()
+    t, m = time.time(), _done_mtime(wd, "retriever")
     res["retriever"] = retriever_stage.run(c, wd)
-    res["wall_seconds"]["sasrec"] = time.time() - t
+    if ran("retriever", m):
+      res["wall_seconds"]["sasrec"] = time.time() - t
   print("wall seconds:", json.dumps(res["wall_seconds"], indent=1))
   if "data" in res:
     d = res["data"]
@@ -76,6 +87,10 @@ def main(_):
   if "retriever" in res:
     for split in ("valid", "test"):
       print(f"sasrec {split}: {json.dumps(res['retriever'][split])}")
+  if os.path.exists(bench) and not FLAGS.fresh:  # merge with a run that finished meanwhile
+    with open(bench) as f:
+      old = json.load(f)
+    res = {**old, **res, "wall_seconds": {**old.get("wall_seconds", {}), **res["wall_seconds"]}}
   with open(bench, "w") as f:
     json.dump(res, f, indent=1)
 

@@ -58,9 +58,13 @@ def decode_config() -> ml_collections.ConfigDict:
 
 
 def cft_config() -> ml_collections.ConfigDict:
-  """Conversion fine-tuning (dgr2_jax.train.cft)."""
+  """Conversion fine-tuning (dgr2_jax.stages.cft, loss in dgr2_jax.train.cft)."""
   c = ml_collections.ConfigDict()
+  c.init_from = ""          # '' => the previous model stage's dir (workdir/convert/model)
   c.epochs = 3
+  c.steps = 0               # > 0 overrides epochs
+  c.lr = 0.0                # 0 => train.optimizer.peak_lr
+  c.batch_size = 0          # 0 => train.batch_size
   c.block_size = 32
   c.loss_weighting = "1/t"  # '1/t' (masked-diffusion ELBO) | 'none'
   c.eps = 1e-3              # t ~ U(eps, 1)
@@ -72,27 +76,44 @@ def cft_config() -> ml_collections.ConfigDict:
 
 def opd_config() -> ml_collections.ConfigDict:
   """On-policy distillation from the AR teacher on the student's own rollouts."""
-  c = ml_collections.ConfigDict()
-  c.rollouts_per_prompt = 4  # G'
-  c.lr = 1e-6
-  c.prompts_per_step = 128
-  c.epochs = 1
-  c.teacher_top_k = 0        # 0 = full-vocabulary teacher distribution
-  c.teacher = "ar"           # 'ar' (the SFT model)
-  return c
+  try:
+    from dgr2_jax.train import opd
+  except ImportError:  # the same fields, for checkouts without the OPD trainer
+    c = ml_collections.ConfigDict()
+    c.init_from = ""
+    c.teacher_dir = ""
+    c.teacher = "ar"
+    c.rollouts_per_prompt = 4  # G'
+    c.lr = 1e-6
+    c.prompts_per_step = 128
+    c.epochs = 1
+    c.steps = 0
+    c.teacher_top_k = 0        # 0 = full-vocabulary teacher distribution
+    c.temperature = 1.0
+    c.grad_accum_steps = 1
+    return c
+  return opd.opd_config()
 
 
 def rl_config() -> ml_collections.ConfigDict:
   """Trajectory-level GRPO against the re-ranking reward."""
-  c = ml_collections.ConfigDict()
-  c.group_size = 8           # G
-  c.lr = 5e-7
-  c.steps = 600
-  c.alpha = 0.2              # reward mix
-  c.clip_eps = 0.2
-  c.clip_eps_high = 0.2
-  c.kl_coef = 0.0
-  return c
+  try:
+    from dgr2_jax.train import grpo
+  except ImportError:  # the same fields, for checkouts without the RL trainer
+    c = ml_collections.ConfigDict()
+    c.init_from = ""
+    c.group_size = 8           # G
+    c.lr = 5e-7
+    c.steps = 600
+    c.prompts_per_step = 16
+    c.alpha = 0.2
+    c.clip_eps = 0.2
+    c.clip_eps_high = 0.2
+    c.kl_coef = 0.0
+    c.temperature = 1.0
+    c.grad_accum_steps = 1
+    return c
+  return grpo.rl_config()
 
 
 def bench_config() -> ml_collections.ConfigDict:

@@ -28,6 +28,9 @@ def get_config(arg: str = ""):
   c.retriever.hidden = 32
   c.retriever.num_epochs = 20
   c.task.demo_vocab_size = 1024
+  # Train on every user (the target is inserted among the candidates when the retriever missed
+  # it): the synthetic retriever hits only ~20% of targets, too few examples otherwise.
+  c.task.insert_target = "random_position"
   c.task.prompt_len = 640
   c.task.response_len = 256
   c.train.total_steps = 150
@@ -38,10 +41,12 @@ def get_config(arg: str = ""):
   c.eval.max_examples = 32
   c.eval.batch_size = 8
   c.cft.epochs = 1
-  c.opd.prompts_per_step = 8
+  c.opd.prompts_per_step = 4
+  c.opd.steps = 10
   c.opd.lr = 1e-4
   c.rl.steps = 10
   c.rl.group_size = 4
+  c.rl.prompts_per_step = 2
   c.rl.lr = 1e-5
   c.bench.block_sizes = (c.cft.block_size,)
   c.bench.max_examples = 16

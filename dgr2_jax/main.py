@@ -46,10 +46,20 @@ PROMPT_VARIANTS = ("compact", "full")
 INSERT_TARGET = ("none", "replace_last", "random_position")
 TOO_LONG = ("drop", "truncate_reasoning")
 ACCEPT = ("top1", "promote")
-LOSS_WEIGHTINGS = ("1/t", "none")
-OPD_TEACHERS = ("ar",)
+LOSS_WEIGHTINGS = ("1/t", "none")  # dgr2_jax.train.cft.WEIGHTINGS
+OPD_TEACHERS = ("ar", "self_tau1")  # dgr2_jax.train.opd.TEACHERS
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("cosine", "constant")
+
+
+def check_available(names) -> None:
+  """NotImplementedError listing every stage of `names` whose module is absent (nothing imported),
+  so a pipeline does not stop hours in at a stage this checkout lacks."""
+  missing = [n for n in names if n in STAGES and importlib.util.find_spec(STAGES[n]) is None]
+  if missing:
+    raise NotImplementedError(f"stage(s) {missing} are not available in this checkout (no module "
+                              f"{', '.join(STAGES[n] for n in missing)}); drop them from "
+                              "config.pipeline.stages or add the module")
 
 
 def stage_fn(name: str):
@@ -224,6 +234,10 @@ def validate(config, workdir: str | None) -> None:
     if sum(d == -1 for d in dims) > 1 or any(d == 0 or d < -1 for d in dims):
       _fail("train.mesh", f"each axis must be >= 1 and at most one -1, got {tr.mesh.to_dict()}")
 
+  for sec in ("cft", "opd", "rl"):
+    for f in ("init_from", "teacher_dir"):
+      if sec in c and c[sec].get(f) and sec in runs:
+        _exists(f"{sec}.{f}", c[sec][f], "model directory")
   if "opd" in c:
     _positive_int(c, "opd", "rollouts_per_prompt")
     _positive_int(c, "opd", "prompts_per_step")
@@ -304,6 +318,7 @@ def run(config, workdir: str | None):
     text = dry.format_plan(dry.plan(config))
     print(text, flush=True)
     return text
+  check_available(_runs(config) if config.stage == "pipeline" else {config.stage})
   fn = stage_fn(config.stage)
   if workdir:
     os.makedirs(workdir, exist_ok=True)
@@ -331,4 +346,17 @@ if __name__ == "__main__":
   _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory: every stage's outputs.")
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
   os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-  app.run(main)
+
+  def parse(argv):
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as e:  # bad value, undefined flag
+      sys.exit(f"dgr2_jax.main: {e}")
+    except (AttributeError, KeyError) as e:  # ml_collections: unknown field reported as "'name'"
+      key = str(e).strip("\"'")
+      bad = [a.split("=")[0] for a in argv[1:]
+             if a.startswith("--config.") and key in a.split("=")[0].split(".")]
+      sys.exit(f"dgr2_jax.main: {bad[0] if bad else 'a --config override'}: no such config "
+               f"field ({key!r})")
+
+  app.run(main, flags_parser=parse)

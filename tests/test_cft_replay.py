@@ -112,3 +112,24 @@ def test_replay_merging_bounds_segments_and_flags_rows(tiny_lm):
   assert seg["seg_tokens"].shape == (3, 4, 8) and not seg["exact"].any()
   seg_full = replay.build_segments(out["tokens"], out["commit_step"], 8, 8, 63)
   assert seg_full["exact"].all()
+
+
+def test_build_segments_handcrafted_schedule():
+  # Block 0 committed in 2 steps (0: idx 0,2; 1: idx 1,3); block 1 in 3 steps, idx 3 never (after EOS).
+  tokens = np.array([[10, 11, 12, 13, 20, 21, 22, 63]])
+  cs = np.array([[0, 1, 0, 1, 2, 4, 3, -1]])
+  seg = replay.build_segments(tokens, cs, 4, 4, 63)
+  m = 63
+  np.testing.assert_array_equal(seg["seg_tokens"][0, 0], [m, m, m, m])        # block 0, step 0
+  np.testing.assert_array_equal(seg["seg_tokens"][0, 1], [10, m, 12, m])      # block 0, step 1
+  np.testing.assert_array_equal(seg["seg_tokens"][0, 4], [m, m, m, m])        # block 1, step 2
+  np.testing.assert_array_equal(seg["seg_tokens"][0, 5], [20, m, m, m])       # block 1, step 3
+  np.testing.assert_array_equal(seg["seg_tokens"][0, 6], [20, m, 22, m])      # block 1, step 4
+  np.testing.assert_array_equal(seg["pred_seg"][0], [0, 1, 0, 1, 4, 6, 5, 0])
+  np.testing.assert_array_equal(seg["clean"][0], [10, 11, 12, 13, 20, 21, 22, m])
+  assert seg["exact"].all()
+  merged = replay.build_segments(tokens, cs, 4, 2, 63)   # block 1's 3 steps -> 2 groups
+  np.testing.assert_array_equal(merged["pred_seg"][0], [0, 1, 0, 1, 2, 3, 2, 0])
+  np.testing.assert_array_equal(merged["seg_tokens"][0, 2], [m, m, m, m])    # steps 2+3: canvas of step 2
+  np.testing.assert_array_equal(merged["seg_tokens"][0, 3], [20, m, 22, m])  # step 4
+  assert not merged["exact"].any()

@@ -127,8 +127,9 @@ def test_grpo_update_raises_toy_reward(toy):
   grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
   opt = optax.adam(3e-2)
   opt_state = opt.init(params)
-  eval_reward = lambda p: _toy_reward(rollouts.sample(cfg, p, np.repeat(prompts, 4, 0), np.repeat(lens, 4, 0),
-                                                      dc, jax.random.PRNGKey(99), G)).mean()
+  # Same batch shape as training (one decoder compilation); two fixed keys = 64 rollouts.
+  eval_reward = lambda p: np.mean([_toy_reward(rollouts.sample(cfg, p, prompts, lens, dc, jax.random.PRNGKey(k),
+                                                               G)).mean() for k in (98, 99)])
   before = eval_reward(params)
   p = params
   for step in range(6):
@@ -147,4 +148,5 @@ def test_grpo_update_raises_toy_reward(toy):
     updates, opt_state = opt.update(grads, opt_state, p)
     p = optax.apply_updates(p, updates)
   after = eval_reward(p)
+  print('toy reward', before, after)
   assert after > before + 0.05, (before, after)

@@ -93,6 +93,7 @@ def test_paper_hyper_parameters():
     ({"rl.group_size": 1}, "config.rl.group_size", ValueError),
     ({"rl.clip_eps": 0.0}, "config.rl.clip_eps", ValueError),
     ({"opd.teacher": "gpt"}, "config.opd.teacher", ValueError),
+    ({"opd.init_from": "/nonexistent"}, "config.opd.init_from", FileNotFoundError),
     ({"bench.thresholds": (0.9, 1.5)}, "config.bench.thresholds", ValueError),
     ({"bench.block_sizes": (32, 48)}, "config.bench.block_sizes", ValueError),
     ({"stage": "eval"}, "config.eval.model_dir", ValueError),
@@ -122,6 +123,19 @@ def test_workdir_required_and_unknown_stage_module(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="config.stage 'nope' is not a stage"):
     main_lib.stage_fn("nope")
   assert main_lib.stage_fn("generate").__module__ == "dgr2_jax.stages.generate"
+  # A pipeline naming an absent stage fails before running any stage.
+  c = load_config("demo.py")
+  c.pipeline.stages = ("data", "sids")
+  monkeypatch.setitem(main_lib.STAGES, "sids", "dgr2_jax.stages._absent_stage")
+  with pytest.raises(NotImplementedError, match=r"\['sids'\] are not available"):
+    main_lib.run(c, str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
+
+
+def test_known_values_match_the_packages():
+  from dgr2_jax.train import cft, opd
+  assert set(main_lib.LOSS_WEIGHTINGS) == set(cft.WEIGHTINGS)
+  assert set(main_lib.OPD_TEACHERS) == set(opd.TEACHERS)
 
 
 def test_variants():

@@ -68,6 +68,15 @@ def on_policy_config(config, *, rows: int, steps: int, lr: float, grad_accum: in
   return c
 
 
+def section(config, name: str, defaults):
+  """`config.<name>` over its defaults (`defaults()`), so a config missing newer fields still runs."""
+  c = defaults()
+  with c.unlocked():
+    for k, v in (config.get(name) or {}).items():
+      c[k] = v
+  return c
+
+
 def load_policy(config, model_dir: str):
   """(config, params) of a model dir, with `config.model`'s compute dtype / remat (as CFT does)."""
   from dgr2_jax.model import checkpoint as model_ckpt
@@ -119,7 +128,7 @@ def run(config, workdir: str) -> str:
   from dgr2_jax.stages import pipeline
   from dgr2_jax.train import opd, rollouts
 
-  oc = config.opd
+  oc = section(config, STAGE, opd.opd_config)
   if oc.teacher not in opd.TEACHERS:
     raise ValueError(f"config.opd.teacher must be one of {opd.TEACHERS}, got {oc.teacher!r}")
   src = oc.init_from or pipeline.previous_model_dir(config, workdir, STAGE)

@@ -36,7 +36,7 @@ def run(config, workdir: str) -> str:
   from dgr2_jax.stages import pipeline
   from dgr2_jax.train import grpo, replay, rollouts
 
-  rc = config.rl
+  rc = opd_stage.section(config, STAGE, grpo.rl_config)
   if int(rc.group_size) < 2:
     raise ValueError(f"config.rl.group_size must be >= 2 (group-normalised advantages), got {rc.group_size}")
   src = rc.init_from or pipeline.previous_model_dir(config, workdir, STAGE)

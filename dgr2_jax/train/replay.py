@@ -38,7 +38,9 @@ def build_segments(tokens: np.ndarray, commit_step: np.ndarray, block_size: int,
       steps = np.unique(cs[cs >= 0])
       if len(steps) > cap:
         exact[row] = False
-      groups = (np.arange(len(steps)) * cap) // max(len(steps), 1)   # neighbouring steps share a group
+      # Group m of the block's n distinct steps; groups are 0..min(cap, n)-1, each non-empty, and
+      # neighbouring steps share a group only when n > cap.
+      groups = (np.arange(len(steps)) * min(cap, len(steps))) // max(len(steps), 1)
       for m in range(min(cap, len(steps))):
         first = steps[groups == m].min()
         canvas = clean[row, j * bs:(j + 1) * bs].copy()

@@ -83,41 +83,12 @@ def replay_inputs(rollouts: dict, block_size: int, mask_id: int, commit_step=Non
 
   `commit_step` overrides the rollout's (the self-teacher's serialised order, see
   `serialize_commit_steps`). `max_segments_per_block` 0 = exact replay (one segment per denoising
-  step, `exact_segments`); > 0 = `replay.build_segments` with that cap (merged steps, inexact).
+  step: cap = block size); > 0 = that cap (neighbouring steps merged when a block used more).
   """
   cs = rollouts["commit_step"] if commit_step is None else commit_step
-  if max_segments_per_block:
-    seg = replay.build_segments(rollouts["tokens"], cs, block_size, max_segments_per_block, mask_id)
-  else:
-    seg = exact_segments(rollouts["tokens"], cs, block_size, mask_id)
+  seg = replay.build_segments(rollouts["tokens"], cs, block_size, max_segments_per_block or block_size,
+                              mask_id)
   return {k: seg[k] for k in SEGMENT_KEYS + ("exact",)}
-
-
-def exact_segments(tokens: np.ndarray, commit_step: np.ndarray, block_size: int, mask_id: int) -> dict:
-  """`replay.build_segments(..., max_segments_per_block=block_size)` for exact replay: same layout
-  (segment m of block j at j*B + m = the canvas of that block's m-th distinct step).
-
-  Kept here because `build_segments` mis-numbers its groups when a block used fewer distinct steps
-  than the cap and not a divisor-friendly count (e.g. 2 steps, cap 4 -> groups [0, 2], and the empty
-  group 1 raises): its `groups` should be `arange(n) * min(cap, n) // n`.
-  """
-  b, r = tokens.shape
-  bs = block_size
-  nb = r // bs
-  clean = np.where(commit_step >= 0, tokens, mask_id).astype(np.int32)
-  seg_tokens = np.full((b, nb * bs, bs), mask_id, np.int32)
-  pred_seg = np.zeros((b, r), np.int32)
-  for row in range(b):
-    for j in range(nb):
-      cs = commit_step[row, j * bs:(j + 1) * bs]
-      blk = clean[row, j * bs:(j + 1) * bs]
-      steps = np.unique(cs[cs >= 0])
-      for m, s in enumerate(steps):
-        seg_tokens[row, j * bs + m] = np.where((cs >= s) | (cs < 0), mask_id, blk)
-      pred_seg[row, j * bs:(j + 1) * bs] = j * bs + np.maximum(np.searchsorted(steps, cs), 0)
-      pred_seg[row, j * bs:(j + 1) * bs][cs < 0] = 0
-  return dict(clean=clean, seg_tokens=seg_tokens, seg_block=np.repeat(np.arange(nb), bs),
-              pred_seg=pred_seg, exact=np.ones((b,), bool))
 
 
 def serialize_commit_steps(commit_step: np.ndarray, block_size: int) -> np.ndarray:

@@ -1,0 +1,185 @@
+"""OPD: teacher cache, forward KL on replayed rollouts, top-k cache, updates, and the on-policy loop."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dgr2_jax.decode import sampler
+from dgr2_jax.model import qwen3
+from dgr2_jax.train import opd, replay, rollouts
+from dgr2_jax.train import config as train_config_lib
+
+PROMPTS = [[7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [21, 22, 23]]
+R, G = 16, 4
+
+
+def _dc(bs, tau=1.0):
+  return sampler.DecodeConfig(block_size=bs, threshold=tau, temperature=1.0, max_new_tokens=R, eos_ids=(5,),
+                              mask_token_id=63, pad_id=0)
+
+
+def _batch(cfg_teacher, tparams, roll, seg, top_k=0):
+  cache = opd.ar_teacher_cache(cfg_teacher, tparams, roll["prompt_ids"], roll["prompt_len"], seg["clean"],
+                               top_k=top_k, mask_id=63)
+  return dict(prompt=roll["prompt_ids"], prompt_len=roll["prompt_len"], loss_mask=roll["loss_mask"],
+              **{k: seg[k] for k in rollouts.SEGMENT_KEYS}, **cache)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_lm):
+  cfg, params = tiny_lm
+  toks, lens = sampler.left_pad(PROMPTS, 9, 0)
+  other = jax.tree_util.tree_map(lambda x: x * 8 if x.ndim == 2 else x, qwen3.init_params(cfg, jax.random.PRNGKey(2)))
+  return cfg, params, other, toks, lens
+
+
+def test_rollouts_are_the_eval_decoder_and_groups_differ(setup):
+  cfg, params, _, toks, lens = setup
+  roll = rollouts.sample(cfg, params, toks, lens, _dc(4, 0.5), jax.random.PRNGKey(3), G)
+  gen = sampler.generate(cfg, params, [p for p in PROMPTS for _ in range(G)], _dc(4, 0.5), jax.random.PRNGKey(3),
+                         max_prompt_len=9)
+  for k in ("tokens", "commit_step", "logprob", "nfe"):
+    np.testing.assert_array_equal(roll[k], gen[k])
+  assert roll["output_ids"] == gen["output_ids"]
+  assert len({tuple(x) for x in roll["tokens"][:G]}) > 1          # one key, different samples per row
+  eos = roll["eos_pos"]
+  np.testing.assert_array_equal(roll["finished"], eos < R)
+  assert not (roll["loss_mask"] & (np.arange(R)[None] > eos[:, None])).any()
+  # Replay inputs are exact (one canvas per denoising step) and include blocks with 2 steps.
+  seg = rollouts.replay_inputs(roll, 4, 63)
+  assert seg["exact"].all()
+
+
+def test_kl_zero_for_same_ar_model_positive_otherwise_and_topk(setup):
+  cfg, params, other, toks, lens = setup
+  roll = rollouts.sample(cfg, params, toks, lens, _dc(1), jax.random.PRNGKey(5), G)
+  seg = rollouts.replay_inputs(roll, 1, 63)
+  batch = _batch(cfg, params, roll, seg)
+  loss_fn = jax.jit(lambda p, b, k: opd.opd_loss(cfg, p, b, None, block_size=1, teacher_top_k=k), static_argnums=2)
+  same, m = loss_fn(params, batch, 0)
+  assert abs(float(same)) < 1e-5 and float(m["top1_agreement"]) == 1.0
+  assert float(m["denominator"]) == roll["loss_mask"].sum() > 20
+  full = float(loss_fn(other, batch, 0)[0])
+  assert full > 0.05
+  # Independent NumPy KL on the committed positions.
+  lt = np.asarray(batch["teacher_logp"], np.float64)
+  ls = np.asarray(opd.log_dist(replay.replay_logits(cfg, other, roll["prompt_ids"], roll["prompt_len"], seg, 1),
+                               63), np.float64)
+  pt = np.exp(lt)
+  kl_np = np.where(pt > 0, pt * (lt - ls), 0).sum(-1)
+  np.testing.assert_allclose(full, kl_np[roll["loss_mask"]].mean(), rtol=1e-4)
+  # Top-k cache: the KL over k tokens + a rest bucket grows with k (coarser partitions lose
+  # information), approximates the full KL, and equals it at k = V.
+  vals = []
+  m = roll["loss_mask"]
+  for k in (2, 8, 32, 64):
+    cache = opd.cache_from_logprobs(jnp.asarray(batch["teacher_logp"]), k)
+    assert cache["teacher_topk_logp"].shape[-1] == k
+    vals.append(float(np.asarray(opd.kl_from_cache(cache, jnp.asarray(ls, jnp.float32)))[m].mean()))
+    # NumPy reference of the coarsened KL for this k.
+    idx = np.argsort(-lt, -1)[..., :k]
+    lk_t, lk_s = np.take_along_axis(lt, idx, -1), np.take_along_axis(ls, idx, -1)
+    pk_t = np.exp(lk_t)
+    rest_t, rest_s = 1 - pk_t.sum(-1), 1 - np.exp(lk_s).sum(-1)
+    ref = np.where(pk_t > 0, pk_t * (lk_t - lk_s), 0).sum(-1) + np.where(
+        rest_t > 1e-9, rest_t * (np.log(np.maximum(rest_t, 1e-300)) - np.log(np.maximum(rest_s, 1e-300))), 0)
+    np.testing.assert_allclose(vals[-1], ref[m].mean(), rtol=2e-3, atol=1e-5)
+    if k == 8:  # and through opd_loss with a top-k batch
+      b = {n: v for n, v in batch.items() if n != "teacher_logp"}
+      b.update(cache)
+      np.testing.assert_allclose(float(opd.opd_loss(cfg, other, b, None, block_size=1, teacher_top_k=8)[0]),
+                                 vals[-1], rtol=1e-5)
+  assert all(a <= b + 1e-6 for a, b in zip(vals, vals[1:])), vals
+  np.testing.assert_allclose(vals[-1], full, rtol=1e-5)
+  assert abs(vals[2] - full) < 0.2 * full, (vals, full)
+
+
+def test_self_tau1_teacher_is_student_on_serial_trajectories(setup):
+  cfg, params, _, toks, lens = setup
+  bcfg = cfg.as_block_diffusion(4, 63)
+  for tau in (1.0, 0.02):
+    roll = rollouts.sample(bcfg, params, toks, lens, _dc(4, tau), jax.random.PRNGKey(7), G)
+    seg = rollouts.replay_inputs(roll, 4, 63)
+    serial = rollouts.serialize_commit_steps(roll["commit_step"], 4)
+    if tau == 1.0:  # already one commit per step: the serial trajectory is the rollout itself
+      np.testing.assert_array_equal(serial >= 0, roll["commit_step"] >= 0)
+      assert all(len(np.unique(c[c >= 0])) == (c >= 0).sum() for c in roll["commit_step"])
+    tseg = rollouts.replay_inputs(roll, 4, 63, serial)
+    cache = opd.replay_teacher_cache(bcfg, params, roll["prompt_ids"], roll["prompt_len"],
+                                     {k: tseg[k] for k in rollouts.SEGMENT_KEYS}, 4, mask_id=63)
+    batch = dict(prompt=roll["prompt_ids"], prompt_len=roll["prompt_len"], loss_mask=roll["loss_mask"],
+                 **{k: seg[k] for k in rollouts.SEGMENT_KEYS}, **cache)
+    kl = float(opd.opd_loss(bcfg, params, batch, None, block_size=4)[0])
+    if tau == 1.0:
+      assert kl < 1e-5
+    else:  # parallel commits: the serial teacher saw more context on some tokens
+      assert (serial >= 0).sum() == (roll["commit_step"] >= 0).sum() and kl > 1e-4
+
+
+def test_opd_updates_lower_kl_to_teacher(setup):
+  cfg, teacher, other, toks, lens = setup
+  bcfg = cfg.as_block_diffusion(4, 63)
+  grad_fn = jax.jit(jax.value_and_grad(lambda p, b: opd.opd_loss(bcfg, p, b, None, block_size=4), has_aux=True))
+
+  def make(p, key):
+    roll = rollouts.sample(bcfg, p, toks, lens, _dc(4, 0.5), key, G)
+    return _batch(cfg, teacher, roll, rollouts.replay_inputs(roll, 4, 63))
+
+  held = make(other, jax.random.PRNGKey(100))
+  before = float(grad_fn(other, held)[0][0])
+  opt = optax.adam(1e-2)
+  p, st = other, opt.init(other)
+  for s in range(5):
+    (loss, _), g = grad_fn(p, make(p, jax.random.PRNGKey(s)))   # on-policy: fresh rollouts each step
+    assert np.isfinite(float(loss))
+    upd, st = opt.update(g, st, p)
+    p = optax.apply_updates(p, upd)
+  after = float(grad_fn(p, held)[0][0])
+  assert after < 0.8 * before, (before, after)
+
+
+def test_on_policy_loop_logs_host_metrics_and_resumes(setup, tmp_path):
+  cfg, teacher, other, toks, lens = setup
+  bcfg = cfg.as_block_diffusion(4, 63)
+  config = train_config_lib.ml_collections.ConfigDict({"seed": 0, "train": train_config_lib.train_config()})
+  tc = config.train
+  tc.batch_size, tc.total_steps, tc.tensorboard, tc.async_checkpointing = 3 * G, 1, False, False
+  tc.optimizer.peak_lr, tc.optimizer.warmup_steps, tc.optimizer.schedule = 1e-2, 0, "constant"
+  prompts = {"prompt_ids": toks, "prompt_len": lens}
+
+  class Prompts:  # a checkpointable iterator (the same 3 prompts: the decoder compiled above is reused)
+    def __init__(self):
+      self.i = 0
+    def __next__(self):
+      self.i += 1
+      return dict(prompts)
+    def get_state(self):
+      return {"i": self.i}
+    def set_state(self, s):
+      self.i = int(s["i"])
+
+  calls = []
+
+  def make_batch(p, pr, key):
+    calls.append(np.asarray(jax.tree_util.tree_leaves(p)[0]).copy())
+    roll = rollouts.sample(bcfg, p, pr["prompt_ids"], pr["prompt_len"], _dc(4, 0.5), key, G)
+    return _batch(cfg, teacher, roll, rollouts.replay_inputs(roll, 4, 63)), {"mean_nfe": roll["nfe"].mean()}
+
+  loss_fn = lambda p, b, rng: opd.opd_loss(bcfg, p, b, rng, block_size=4)
+  kw = dict(params=other, loss_fn=loss_fn, make_batch=make_batch, desc="opd-test")
+  it = Prompts()
+  rollouts.train_on_policy(config, str(tmp_path), prompt_iter=it, **kw)
+  assert len(calls) == 1
+  tc.total_steps = 2
+  it2 = Prompts()
+  state = rollouts.train_on_policy(config, str(tmp_path), prompt_iter=it2, **kw)
+  assert len(calls) == 2 and it2.i == 2 and int(state["step"]) == 2   # resumed at step 2, data position kept
+  assert not np.allclose(calls[0], calls[1])   # step 2 rolled out with the params restored after step 1
+  recs = [json.loads(l) for l in open(os.path.join(tmp_path, "metrics.jsonl"))]
+  assert [r["step"] for r in recs] == [1, 2]
+  assert all(k in recs[-1] for k in ("loss", "mean_nfe", "rollout_time_s", "update_time_s", "kl_to_teacher"))
