@@ -250,7 +250,7 @@ def test_ladder_uses_each_model_and_ar_decoding(tmp_path, monkeypatch):
   seen = []
 
   def fake_eval(cfg, wd):
-    seen.append((cfg.eval.name, cfg.eval.model_dir, cfg.decode.block_size, cfg.eval.model_hash))
+    seen.append((cfg.eval.name, cfg.eval.model_dir, cfg.decode.block_size, common.model_hash(cfg.eval.model_dir)))
     out = os.path.join(wd, "eval", cfg.eval.name)
     with common.atomic_dir(out, "e-" + cfg.eval.name) as tmp:
       common.write_json_atomic(os.path.join(tmp, "metrics.json"), {

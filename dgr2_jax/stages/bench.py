@@ -64,15 +64,6 @@ class TimedGenerate:
     return out
 
 
-def _model_hash(path: str) -> str | None:
-  """The producing stage's hash (workdir/<stage>/DONE.json), else the config.json's mtime+size."""
-  done = common.read_done(os.path.dirname(os.path.abspath(path)))
-  if done is not None:
-    return done.get("config_hash")
-  f = os.path.join(path, "config.json")
-  return f"{os.path.getmtime(f)}:{os.path.getsize(f)}" if os.path.exists(f) else None
-
-
 def measure(config, workdir: str, model_dir: str, block_size: int, threshold: float,
             out_dir: str, generate_fn=None) -> dict:
   """One frontier row: eval metrics of `model_dir` decoded at (block_size, threshold) + timing."""
@@ -134,7 +125,7 @@ def run(config, workdir: str) -> dict:
                               "up to it, or set config.bench.model_dir / ar_model_dir)")
   chash = common.config_hash(bc, config.eval, config.task, config.decode, config.get("seed", 0),
                              traces_stage.upstream_hashes(workdir),
-                             [_model_hash(p) for p in need])
+                             [common.model_hash(p) for p in need])
   out = common.stage_dir(workdir, STAGE)
   if common.is_fresh(out, chash):
     with open(os.path.join(out, "frontier.json")) as f:

@@ -87,3 +87,14 @@ def write_json_atomic(path: str, obj: Any) -> None:
     with contextlib.suppress(FileNotFoundError):
       os.remove(tmp)
     raise
+
+
+def model_hash(model_dir: str) -> str | None:
+  """Identity of a model directory for cache keys: the config hash of the stage that wrote
+  `workdir/<stage>/model` (its DONE.json is one level up), else config.json's mtime and size
+  (an external directory), else None."""
+  done = read_done(os.path.dirname(os.path.abspath(model_dir)))
+  if done is not None:
+    return done.get("config_hash")
+  f = os.path.join(model_dir, "config.json")
+  return f"{os.path.getmtime(f)}:{os.path.getsize(f)}" if os.path.exists(f) else None

@@ -83,7 +83,7 @@ def run(config, workdir: str, generate_fn=None) -> str:
     raise ValueError("config.eval.model_dir is required for --config.stage=eval")
   if ec.batch_size < 1:
     raise ValueError(f"config.eval.batch_size must be >= 1, got {ec.batch_size}")
-  model_done = common.read_done(ec.model_dir) if ec.model_dir else None
+  model_done = common.model_hash(ec.model_dir) if ec.model_dir else None
   chash = common.config_hash(ec, tc, config.get("decode", {}), config.get("seed", 0),
                              traces_stage.upstream_hashes(workdir), model_done)
   name = ec.name or f"{ec.split}-{chash[:8]}"

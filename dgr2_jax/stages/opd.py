@@ -34,11 +34,6 @@ STAGE = "opd"
 PROMPT_KEYS = ("prompt_ids", "prompt_len", "target_rank_in_candidates", "candidates", "example_id")
 
 
-def model_hash(model_dir: str):
-  """Config hash of the stage that wrote `<stage>/model` (None for an external dir)."""
-  return (common.read_done(os.path.dirname(os.path.abspath(model_dir))) or {}).get("config_hash")
-
-
 def task_setup(config, workdir: str) -> dict:
   """Tokenizer, token ids, SIDs and the train prompts (rows whose target is among the candidates)."""
   from dgr2_jax.stages import traces as traces_stage
@@ -138,8 +133,8 @@ def run(config, workdir: str) -> str:
   out = common.stage_dir(workdir, STAGE)
   traces_hash = (common.read_done(common.stage_dir(workdir, "traces")) or {}).get("config_hash")
   chash = common.config_hash(config.seed, oc, config.decode, config.task, config.train.mesh,
-                             config.train.optimizer, src, model_hash(src), teacher_dir,
-                             model_hash(teacher_dir) if teacher_dir else None, traces_hash)
+                             config.train.optimizer, src, common.model_hash(src), teacher_dir,
+                             common.model_hash(teacher_dir) if teacher_dir else None, traces_hash)
   if common.is_fresh(out, chash):
     return out
   train_dir = sft_stage.prepare_train_dir(out, chash)

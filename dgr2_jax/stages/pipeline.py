@@ -79,15 +79,11 @@ def final_model_stage(config) -> str | None:
 def method_config(config, workdir: str, method: str, stage: str):
   """Copy of `config` for evaluating `stage`'s model as ladder row `method`."""
   c = config.copy_and_resolve_references()
-  done = common.read_done(common.stage_dir(workdir, stage)) or {}
   with c.unlocked():
     c.stage = "eval"
     c.eval.model_dir = model_dir(workdir, stage)
     c.eval.name = method
     c.eval.output_dir = ""
-    # The eval stage hashes read_done(model_dir), which is the stage dir's DONE.json one level
-    # up; recording the model stage's hash here makes a retrained model re-evaluate.
-    c.eval.model_hash = done.get("config_hash")
     if stage == "sft":  # the AR teacher decodes left to right
       c.decode.block_size = 1
       c.decode.threshold = 1.0

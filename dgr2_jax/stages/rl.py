@@ -43,7 +43,7 @@ def run(config, workdir: str) -> str:
   out = common.stage_dir(workdir, STAGE)
   traces_hash = (common.read_done(common.stage_dir(workdir, "traces")) or {}).get("config_hash")
   chash = common.config_hash(config.seed, rc, config.decode, config.task, config.train.mesh,
-                             config.train.optimizer, src, opd_stage.model_hash(src), traces_hash)
+                             config.train.optimizer, src, common.model_hash(src), traces_hash)
   if common.is_fresh(out, chash):
     return out
   train_dir = sft_stage.prepare_train_dir(out, chash)
