@@ -99,12 +99,12 @@ def _write_text(path: str, text: str) -> None:
     raise
 
 
-def write_accuracy(out_dir: str, rows: Sequence[dict], m: dict) -> dict:
-  """accuracy.{md,json}; returns the JSON object."""
+def write_accuracy(out_dir: str, rows: Sequence[dict], m: dict) -> list:
+  """accuracy.json (a list of rows, each with the run info `m` under "run") and accuracy.md."""
   for r in rows:
     if "method" not in r:
       raise ValueError(f"accuracy row without 'method': {r}")
-  obj = {**m, "rows": list(rows)}
+  obj = [{**r, "run": m} for r in rows]
   common.write_json_atomic(os.path.join(out_dir, "accuracy.json"), obj)
   _write_text(os.path.join(out_dir, "accuracy.md"),
               _header("Accuracy ladder", m) + markdown_table(rows, ACCURACY_COLUMNS))
@@ -145,13 +145,13 @@ def plot_frontier(rows: Sequence[dict], path: str) -> None:
   os.replace(tmp, path)
 
 
-def write_frontier(out_dir: str, rows: Sequence[dict], m: dict) -> dict:
-  """frontier.{md,json,png}; returns the JSON object."""
+def write_frontier(out_dir: str, rows: Sequence[dict], m: dict) -> list:
+  """frontier.json (a list of rows, each with the run info `m` under "run"), .md and .png."""
   for r in rows:
     for k in ("block_size", "threshold", "recall@1", "speedup"):
       if k not in r:
         raise ValueError(f"frontier row without {k!r}: {r}")
-  obj = {**m, "rows": list(rows)}
+  obj = [{**r, "run": m} for r in rows]
   common.write_json_atomic(os.path.join(out_dir, "frontier.json"), obj)
   _write_text(os.path.join(out_dir, "frontier.md"),
               _header("Speed / accuracy frontier", m) + markdown_table(rows, FRONTIER_COLUMNS))

@@ -219,8 +219,9 @@ def test_results_tables_render(tmp_path):
   assert "| ar | 0.5000 | 0.8000 | - |" in md and "| naive | 0.1000 |" in md
   assert md.count("\n|") == 2 + len(ACC_ROWS) - 1 + 1
   obj = json.loads((tmp_path / "accuracy.json").read_text())
-  assert [r["method"] for r in obj["rows"]] == ["pre_rank", "ar", "naive"]
-  assert obj["config_hash"] == "abc123" and "machine" in obj and "versions" in obj
+  assert isinstance(obj, list) and [r["method"] for r in obj] == ["pre_rank", "ar", "naive"]
+  run = obj[0]["run"]
+  assert run["config_hash"] == "abc123" and "machine" in run and "versions" in run
   rows = bench_stage.add_speedups([
       {"block_size": 1, "threshold": 1.0, "recall@1": 0.5, "valid_rate": 1.0,
        "tokens_per_s": 100.0, "nfe_per_seq": 120.0},
@@ -264,7 +265,7 @@ def test_ladder_uses_each_model_and_ar_decoding(tmp_path, monkeypatch):
   assert seen == [("ar", os.path.join(workdir, "sft", "model"), 1, "h-sft"),
                   ("naive", os.path.join(workdir, "convert", "model"), 32, "h-convert"),
                   ("cft", os.path.join(workdir, "cft", "model"), 32, "h-cft")]
-  assert [(r["method"], r["recall@1"]) for r in obj["rows"]] == [
+  assert [(r["method"], r["recall@1"]) for r in obj] == [
       ("pre_rank", 0.2), ("ar", 0.5), ("naive", 0.1), ("cft", 0.4)]
   assert os.path.exists(os.path.join(workdir, "results", "accuracy.md"))
 
