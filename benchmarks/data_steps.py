@@ -62,6 +62,7 @@ def main(_):
     res["data"] = data_stage.run(c, wd)
     if ran("data", m):
       res["wall_seconds"]["build"] = time.time() - t
+    res["wall_seconds"].setdefault("build", res["data"]["build_seconds"])
   if "sids" in FLAGS.stages:
     t, m = time.time(), _done_mtime(wd, "sids")
     st = sids_stage.run(c, wd)
@@ -69,6 +70,8 @@ def main(_):
       res["wall_seconds"]["sids_stage"] = time.time() - t
       res["wall_seconds"]["embed"] = st["embed_seconds"]
       res["wall_seconds"]["rqvae"] = st["rqvae_seconds"]
+    res["wall_seconds"].setdefault("embed", st["embed_seconds"])
+    res["wall_seconds"].setdefault("rqvae", st["rqvae_seconds"])
     res["sids"] = st
   if "retriever" in FLAGS.stages:
     t, m = time.time(), _done_mtime(wd, "retriever")

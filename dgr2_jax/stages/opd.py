@@ -161,11 +161,12 @@ def run(config, workdir: str) -> str:
 
   def make_batch(p, prompts, key):
     roll = rollouts.sample(student_cfg, p, prompts["prompt_ids"], prompts["prompt_len"], dc, key, g)
-    seg = rollouts.replay_inputs(roll, bs, mask_id)
+    seg = rollouts.replay_inputs(roll, bs, mask_id, max_segments_per_block=int(oc.replay_max_segments))
     if oc.teacher == "ar":
       cache = score(tparams, roll["prompt_ids"], roll["prompt_len"], seg["clean"])
     else:
-      tseg = rollouts.replay_inputs(roll, bs, mask_id, rollouts.serialize_commit_steps(roll["commit_step"], bs))
+      tseg = rollouts.replay_inputs(roll, bs, mask_id, rollouts.serialize_commit_steps(roll["commit_step"], bs),
+                                    max_segments_per_block=int(oc.replay_max_segments))
       cache = score(tparams, roll["prompt_ids"], roll["prompt_len"],
                     {n: tseg[n] for n in rollouts.SEGMENT_KEYS})
     batch = dict(prompt=roll["prompt_ids"], prompt_len=roll["prompt_len"], loss_mask=roll["loss_mask"],

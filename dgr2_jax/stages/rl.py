@@ -60,7 +60,7 @@ def run(config, workdir: str) -> str:
 
   def make_batch(p, prompts, key):
     roll = rollouts.sample(policy_cfg, p, prompts["prompt_ids"], prompts["prompt_len"], dc, key, g)
-    seg = rollouts.replay_inputs(roll, bs, mask_id)
+    seg = rollouts.replay_inputs(roll, bs, mask_id, max_segments_per_block=int(rc.replay_max_segments))
     scored = opd_stage.score_rollouts(roll, prompts, g, task, float(rc.alpha))
     adv, keep = grpo.group_advantages(scored["rewards"], g)
     batch = dict(prompt=roll["prompt_ids"], prompt_len=roll["prompt_len"], old_logp=roll["logprob"],

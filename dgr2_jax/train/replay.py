@@ -7,9 +7,11 @@ position of block j whose commit_step >= s_m (or -1) replaced by the mask token;
 clean. Each canvas becomes one noisy segment of `model/streams.py`, so a whole rollout is scored in
 one pass. Host-side NumPy builds the segments (explicit, static shapes); the scoring is jitted.
 
-`max_segments_per_block` bounds the cost. When a block used more steps than that, neighbouring steps
-are merged: a merged group is scored on the canvas of its earliest step (its tokens see less context
-than at decode time) and the row is flagged inexact. With the default (= block size) replay is exact.
+Cost: the layout holds `cap` segments per block, where cap is the most steps any block of the batch
+used, rounded up to a power of two, and at most `max_segments_per_block`. When a block used more
+steps than the cap, neighbouring steps are merged: a merged group is scored on the canvas of its
+earliest step (its tokens see less context than at decode time) and the row is flagged inexact.
+With `max_segments_per_block` = block size replay is always exact.
 """
 
 from __future__ import annotations
@@ -26,8 +28,13 @@ def build_segments(tokens: np.ndarray, commit_step: np.ndarray, block_size: int,
                    max_segments_per_block: int, mask_id: int):
   """-> dict(seg_tokens [b, nb*cap, B], seg_block [nb*cap], pred_seg [b,R], exact [b], clean [b,R])."""
   b, r = tokens.shape
-  bs, cap = block_size, max(1, max_segments_per_block)
+  bs = block_size
   nb = r // bs
+  # Segments per block: enough for the most steps any block of the batch used (rounded up to a
+  # power of two, so few shapes compile), at most `max_segments_per_block`.
+  per_block = commit_step.reshape(b, nb, bs)
+  used = max([len(np.unique(c[c >= 0])) for c in per_block.reshape(-1, bs)] + [1])
+  cap = max(1, min(max_segments_per_block, 1 << (used - 1).bit_length()))
   seg_tokens = np.full((b, nb * cap, bs), mask_id, np.int32)
   pred_seg = np.zeros((b, r), np.int32)
   exact = np.ones((b,), bool)
