@@ -85,20 +85,6 @@ def _header(title: str, m: dict) -> str:
           f"jax {m.get('versions', {}).get('jax')}; written {m.get('written')}\n\n")
 
 
-def _write_text(path: str, text: str) -> None:
-  import tempfile
-  d = os.path.dirname(os.path.abspath(path))
-  os.makedirs(d, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", dir=d)
-  try:
-    with os.fdopen(fd, "w") as f:
-      f.write(text)
-    os.replace(tmp, path)
-  except BaseException:
-    os.remove(tmp)
-    raise
-
-
 def write_accuracy(out_dir: str, rows: Sequence[dict], m: dict) -> list:
   """accuracy.json (a list of rows, each with the run info `m` under "run") and accuracy.md."""
   for r in rows:
@@ -106,7 +92,7 @@ def write_accuracy(out_dir: str, rows: Sequence[dict], m: dict) -> list:
       raise ValueError(f"accuracy row without 'method': {r}")
   obj = [{**r, "run": m} for r in rows]
   common.write_json_atomic(os.path.join(out_dir, "accuracy.json"), obj)
-  _write_text(os.path.join(out_dir, "accuracy.md"),
+  common.write_text_atomic(os.path.join(out_dir, "accuracy.md"),
               _header("Accuracy ladder", m) + markdown_table(rows, ACCURACY_COLUMNS))
   return obj
 
@@ -153,7 +139,7 @@ def write_frontier(out_dir: str, rows: Sequence[dict], m: dict) -> list:
         raise ValueError(f"frontier row without {k!r}: {r}")
   obj = [{**r, "run": m} for r in rows]
   common.write_json_atomic(os.path.join(out_dir, "frontier.json"), obj)
-  _write_text(os.path.join(out_dir, "frontier.md"),
+  common.write_text_atomic(os.path.join(out_dir, "frontier.md"),
               _header("Speed / accuracy frontier", m) + markdown_table(rows, FRONTIER_COLUMNS))
   plot_frontier(rows, os.path.join(out_dir, "frontier.png"))
   return obj

@@ -74,19 +74,24 @@ def atomic_dir(path: str, chash: str, extra: dict | None = None) -> Iterator[str
     raise
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
-  """Writes JSON via a temporary file + rename (never a partial file)."""
+def write_text_atomic(path: str, text: str) -> None:
+  """Writes text via a temporary file + rename (never a partial file)."""
   d = os.path.dirname(os.path.abspath(path))
   os.makedirs(d, exist_ok=True)
   fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", dir=d)
   try:
     with os.fdopen(fd, "w") as f:
-      json.dump(obj, f, indent=1, sort_keys=False)
+      f.write(text)
     os.replace(tmp, path)
   except BaseException:
     with contextlib.suppress(FileNotFoundError):
       os.remove(tmp)
     raise
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+  """Writes JSON via a temporary file + rename (never a partial file)."""
+  write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=False))
 
 
 def model_hash(model_dir: str) -> str | None:

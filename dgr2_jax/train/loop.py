@@ -140,6 +140,19 @@ def _iter_state(it):
   return it.get_state() if hasattr(it, "get_state") else None
 
 
+def stop_if_not_finite(m: dict, step: int, total: int, desc: str, writer, manager, last_saved) -> None:
+  """NaN/Inf guard shared by the training loops: records the bad step's metrics, lets pending
+  checkpoint writes finish, and stops without saving, so the last good checkpoint stays latest."""
+  if math.isfinite(m["loss"]):
+    return
+  writer.write(step, m)
+  manager.wait_until_finished()
+  where = (f"step {last_saved} in {manager.directory}" if last_saved is not None
+           else "none (no checkpoint was written yet)")
+  raise FloatingPointError(f"{desc}: loss is {m['loss']} at step {step} (of {total}); stopped "
+                           f"without saving. Last good checkpoint: {where}")
+
+
 def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable[dict],
           mesh=None, desc: str = "train") -> dict:
   """Trains `params` (pytree, or `fn(rng) -> pytree`) with `loss_fn` on `batch_iter`.
@@ -207,13 +220,7 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
       state, m = step_fn(state, mesh_lib.shard_batch(batch, b_sh, gb))
       m = {n: float(v) for n, v in jax.device_get(m).items()}
       t_steps += 1
-      if not math.isfinite(m["loss"]):
-        writer.write(s, m)
-        manager.wait_until_finished()
-        where = (f"step {last_saved} in {manager.directory}" if last_saved is not None
-                 else "none (no checkpoint was written yet)")
-        raise FloatingPointError(f"{desc}: loss is {m['loss']} at step {s} (of {total}); stopped "
-                                 f"without saving. Last good checkpoint: {where}")
+      stop_if_not_finite(m, s, total, desc, writer, manager, last_saved)
       if s % log_every == 0 or s == total:
         m["steps_per_sec"] = t_steps / max(time.perf_counter() - t0, 1e-9)
         writer.write(s, m)

@@ -27,7 +27,6 @@ The rollout key of step s is `fold_in(PRNGKey(seed + 1), s)`, so a resumed run r
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Callable
 
@@ -162,13 +161,7 @@ def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
       m = {n: float(v) for n, v in jax.device_get(m).items()}
       m.update({n: float(v) for n, v in host_m.items()})
       m.update(rollout_time_s=t1 - t0, update_time_s=time.perf_counter() - t1)
-      if not math.isfinite(m["loss"]):
-        writer.write(s, m)
-        manager.wait_until_finished()
-        where = (f"step {last_saved} in {manager.directory}" if last_saved is not None
-                 else "none (no checkpoint was written yet)")
-        raise FloatingPointError(f"{desc}: loss is {m['loss']} at step {s} (of {total}); stopped "
-                                 f"without saving. Last good checkpoint: {where}")
+      loop.stop_if_not_finite(m, s, total, desc, writer, manager, last_saved)
       writer.write(s, m)
       writer.bar(s, m)
       if s % ckpt_every == 0 or s == total:
