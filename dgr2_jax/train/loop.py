@@ -136,7 +136,7 @@ def init_state(params_or_fn, optimizer, shardings, seed: int, master_dtype):
           "rng": jax.device_put(jax.random.fold_in(root, 1), rep)}
 
 
-def _iter_state(it):
+def iter_state(it):
   return it.get_state() if hasattr(it, "get_state") else None
 
 
@@ -227,7 +227,7 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
         t0, t_steps = time.perf_counter(), 0
       writer.bar(s, m)
       if s % ckpt_every == 0 or s == total:
-        ckpt_lib.save(manager, s, state, _iter_state(it))
+        ckpt_lib.save(manager, s, state, iter_state(it))
         last_saved = s
     manager.wait_until_finished()
   finally:

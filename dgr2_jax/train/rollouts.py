@@ -165,8 +165,7 @@ def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
       writer.write(s, m)
       writer.bar(s, m)
       if s % ckpt_every == 0 or s == total:
-        ckpt_lib.save(manager, s, state, prompt_iter.get_state() if hasattr(prompt_iter, "get_state")
-                      else None)
+        ckpt_lib.save(manager, s, state, loop.iter_state(prompt_iter))
         last_saved = s
     manager.wait_until_finished()
   finally:
