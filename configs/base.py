@@ -76,43 +76,13 @@ def cft_config() -> ml_collections.ConfigDict:
 
 def opd_config() -> ml_collections.ConfigDict:
   """On-policy distillation from the AR teacher on the student's own rollouts."""
-  try:
-    from dgr2_jax.train import opd
-  except ImportError:  # the same fields, for checkouts without the OPD trainer
-    c = ml_collections.ConfigDict()
-    c.init_from = ""
-    c.teacher_dir = ""
-    c.teacher = "ar"
-    c.rollouts_per_prompt = 4  # G'
-    c.lr = 1e-6
-    c.prompts_per_step = 128
-    c.epochs = 1
-    c.steps = 0
-    c.teacher_top_k = 0        # 0 = full-vocabulary teacher distribution
-    c.temperature = 1.0
-    c.grad_accum_steps = 1
-    return c
+  from dgr2_jax.train import opd
   return opd.opd_config()
 
 
 def rl_config() -> ml_collections.ConfigDict:
   """Trajectory-level GRPO against the re-ranking reward."""
-  try:
-    from dgr2_jax.train import grpo
-  except ImportError:  # the same fields, for checkouts without the RL trainer
-    c = ml_collections.ConfigDict()
-    c.init_from = ""
-    c.group_size = 8           # G
-    c.lr = 5e-7
-    c.steps = 600
-    c.prompts_per_step = 16
-    c.alpha = 0.2
-    c.clip_eps = 0.2
-    c.clip_eps_high = 0.2
-    c.kl_coef = 0.0
-    c.temperature = 1.0
-    c.grad_accum_steps = 1
-    return c
+  from dgr2_jax.train import grpo
   return grpo.rl_config()
 
 

@@ -42,7 +42,8 @@ DATA_FORMATS = ("auto", "tsv", "mcauley")
 SID_ENCODERS = ("minilm", "npy", "hash")
 RETRIEVER_SOURCES = ("sasrec", "file")
 SPLITS = ("train", "valid", "test")
-PROMPT_VARIANTS = ("compact", "full")
+PROMPT_VARIANTS = ("compact", "full", "minimal")  # dgr2_jax.task.prompts.VARIANTS
+RATIONALE_STYLES = ("full", "terse")  # dgr2_jax.task.rationale.STYLES
 INSERT_TARGET = ("none", "replace_last", "random_position")
 TOO_LONG = ("drop", "truncate_reasoning")
 ACCEPT = ("top1", "promote")
@@ -177,6 +178,7 @@ def validate(config, workdir: str | None) -> None:
   if "task" in c:
     t = c.task
     _one_of(c, "task", "prompt_variant", PROMPT_VARIANTS)
+    _one_of(c, "task", "rationale_style", RATIONALE_STYLES)
     _one_of(c, "task", "insert_target", INSERT_TARGET)
     _one_of(c, "task", "too_long_response", TOO_LONG)
     _one_of(c, "task", "accept", ACCEPT)

@@ -9,7 +9,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = [
     "--config.data.synthetic.num_users=60", "--config.data.synthetic.num_items=40",
-    "--config.sids.num_steps=30", "--config.retriever.num_epochs=2",
+    "--config.sids.num_steps=30", "--config.sids.codebook_size=16", "--config.retriever.num_epochs=2",
     "--config.model.hidden_size=32", "--config.model.intermediate_size=64",
     "--config.model.num_hidden_layers=1", "--config.model.head_dim=8",
     "--config.train.total_steps=2", "--config.train.batch_size=4", "--config.train.checkpoint_every=1",
@@ -54,3 +54,17 @@ def test_toy_pipeline_end_to_end(tmp_path):
     assert os.path.getsize(os.path.join(res, f)) > 0
   # Re-running finds every stage fresh and does no work.
   assert _main(workdir, timeout=300) < 60
+  # The quality-figures script on the same workdir: pipeline fresh, then held-out evals and KL.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
+  cmd = [sys.executable, "benchmarks/recipe_figures.py", "--config=configs/demo.py",
+         f"--workdir={workdir}", "--max_examples=4", "--kl_prompts=4"] + TOY
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = proc.stdout
+  for method in ("ar", "naive", "cft", "cft_opd", "cft_opd_rl"):
+    assert f"| {method} | " in out, out
+  assert "held-out KL to teacher, cft model" in out and "held-out KL to teacher, opd model" in out
+  checks = [l for l in out.splitlines() if l.strip().startswith(("[PASS]", "[FAIL]"))]
+  assert len(checks) == 8, out
+  for split_dir in ("ar-valid", "cft_opd_rl-valid"):
+    assert os.path.exists(os.path.join(workdir, "eval", split_dir, "metrics.json"))

@@ -74,9 +74,19 @@ def test_prompt_content_and_lossless_decode(tok, data):
   hist, cands = data["sequences"][0][:-3], list(data["candidates"]["train"][0])
   for variant in prompts.VARIANTS:
     msgs = prompts.build_messages(hist, cands, items, sids, variant)
-    assert msgs[0]["role"] == "system" and "re-ranker" in msgs[0]["content"]
+    if variant == "minimal":  # no system message, one 'SID brand leaf' line per item
+      assert [m["role"] for m in msgs] == ["user"]
+      lines = msgs[0]["content"].split("\n")
+      assert lines[0] == "History:" and lines[len(hist) + 1] == "Candidates:"
+      numbered = [f"#{k + 1} " for k in range(len(cands))]
+      for line, i, num in zip(lines[1:len(hist) + 1] + lines[len(hist) + 2:], hist + cands,
+                              [""] * len(hist) + numbered):
+        brand = items[i].get("brand") if items[i].get("brand") != "Unknown" else None
+        assert line == f"{num}{sids[i]} {brand or 'unknown'} {items[i]['categories'][-1]}"
+    else:
+      assert msgs[0]["role"] == "system" and "re-ranker" in msgs[0]["content"]
     for i in hist + cands:
-      assert sids[i] in msgs[1]["content"]
+      assert sids[i] in msgs[-1]["content"]
     ids, dropped = prompts.render_prompt_ids(tok, hist, cands, items, sids, variant=variant)
     assert dropped == 0
     assert tok.decode(ids) == prompts.render_prompt_text(tok, msgs)
@@ -129,6 +139,49 @@ def test_rationale_length_knob_and_blind_variant(data, tok):
   assert scores[order[0]] == max(scores) and sorted(order) == list(range(10))
   assert order[1:] == [k for k in range(10) if k != order[0]]
   assert text == rationale.generate(*args, knows_target=False, count_fn=count_fn(tok))[0]
+
+
+def test_terse_rationale_names_recent_item_and_relation(data, tok):
+  items, sids = data["items"], data["sids"]
+  exs, _ = traces.build_examples(data["sequences"], data["candidates"]["train"], "train",
+                                 insert_target="replace_last")
+  seen = set()
+  for ex in exs:
+    hist = [items[i] for i in ex["history"]]
+    args = (hist, [sids[i] for i in ex["history"]],
+            [items[i] for i in ex["candidates"]], [sids[i] for i in ex["candidates"]])
+    text, order = rationale.generate(*args, ex["target_pos"], style="terse")
+    tgt, last = items[ex["target"]], hist[-1]
+    rel = rationale.relation(tgt, hist)
+    seen.add(rel)
+    brand = last.get("brand") if last.get("brand") != "Unknown" else None
+    brand = brand or "unknown"
+    assert text == (f"Recent {sids[ex['history'][-1]]} {brand} {last['categories'][-1]}. "
+                    f"{rel} #{ex['target_pos'] + 1} {sids[ex['target']]}.")
+    assert order == [ex["target_pos"]] + [k for k in range(10) if k != ex["target_pos"]]
+    # The precedence of RELATIONS, from the item fields directly.
+    if tgt.get("brand") not in (None, "Unknown") and tgt.get("brand") == last.get("brand"):
+      assert rel == "Same brand"
+    elif tgt["categories"][-1] == last["categories"][-1]:
+      assert rel == "Same type"
+    # Blind: the first candidate with the strongest relation to the last purchase.
+    _, blind = rationale.generate(*args, knows_target=False, style="terse")
+    ranks = [rationale.RELATIONS.index(rationale.relation(items[i], hist)) for i in ex["candidates"]]
+    assert ranks[blind[0]] == min(ranks) and ranks.index(min(ranks)) == blind[0]
+  assert len(seen) >= 3, seen
+  with pytest.raises(ValueError, match="rationale_style"):
+    rationale.generate(*args, ex["target_pos"], style="long")
+
+
+def test_demo_bpe_keeps_mid_line_brand_and_leaf_whole(tok, data):
+  """Every 'SID brand leaf' line is SID + one token per word of the brand and of the leaf."""
+  for i, it in enumerate(data["items"][:20]):
+    words = f"{it.get('brand')} {it['categories'][-1]}"
+    if not it.get("brand") or not words.replace(" ", "").isalpha():  # the regex splits "L'Oreal"
+      continue
+    line = prompts.item_line(it, data["sids"][i], "minimal")
+    want = 4 + len(it["brand"].split()) + len(it["categories"][-1].split())
+    assert len(tok.encode(line, add_special_tokens=False)) == want, line
 
 
 def test_build_examples_rules(data):
@@ -308,3 +361,19 @@ def test_prompt_only_arrays_for_decoding(data, tok, cfg):
     ids, _ = pipeline.encode_prompt(tok, e, data["items"], data["sids"], cfg)
     assert arr["prompt_ids"][i, cfg.prompt_len - len(ids):].tolist() == ids
     assert arr["target_rank_in_candidates"][i] == e["target_pos"] + 1 >= 1
+
+
+def test_shuffled_training_candidates(data):
+  seqs, cands = data["sequences"], data["candidates"]["train"]
+  plain, _ = traces.build_examples(seqs, cands, "train", insert_target="random_position", seed=3)
+  mixed, _ = traces.build_examples(seqs, cands, "train", insert_target="random_position", seed=3,
+                                   shuffle=True)
+  again, _ = traces.build_examples(seqs, cands, "train", insert_target="random_position", seed=3,
+                                   shuffle=True)
+  assert mixed == again and len(mixed) == len(plain)
+  moved = 0
+  for a, b in zip(plain, mixed):
+    assert sorted(a["candidates"]) == sorted(b["candidates"]) and a["target"] == b["target"]
+    assert b["candidates"][b["target_pos"]] == b["target"]
+    moved += a["candidates"] != b["candidates"]
+  assert moved >= len(plain) - 1

@@ -34,17 +34,17 @@ STAGE = "opd"
 PROMPT_KEYS = ("prompt_ids", "prompt_len", "target_rank_in_candidates", "candidates", "example_id")
 
 
-def task_setup(config, workdir: str) -> dict:
-  """Tokenizer, token ids, SIDs and the train prompts (rows whose target is among the candidates)."""
+def task_setup(config, workdir: str, split: str = "train") -> dict:
+  """Tokenizer, token ids, SIDs and the split's prompts (rows whose target is among the candidates)."""
   from dgr2_jax.stages import traces as traces_stage
   from dgr2_jax.task import pipeline
   from dgr2_jax.task import tokenizer as tok_lib
   tok_dir = traces_stage.tokenizer_dir(config, workdir)
   tokenizer = tok_lib.load_tokenizer(tok_dir)
-  arrays, counts = pipeline.load_split_arrays(config, workdir, "train", tokenizer=tokenizer)
+  arrays, counts = pipeline.load_split_arrays(config, workdir, split, tokenizer=tokenizer)
   keep = arrays["target_rank_in_candidates"] >= 1
   if not keep.any():
-    raise ValueError(f"{workdir}/traces/train.jsonl: no train example has its target among the candidates")
+    raise ValueError(f"{workdir}/traces/{split}.jsonl: no {split} example has its target among the candidates")
   prompts = {k: arrays[k][keep] for k in PROMPT_KEYS}
   _, sids = traces_stage.load_items_sids(workdir)
   return dict(tok_dir=tok_dir, tokenizer=tokenizer, tids=tok_lib.token_ids(tokenizer), sids=sids,
@@ -118,27 +118,16 @@ def prompt_iterator(prompts: dict, prompts_per_step: int, seed: int):
   return pipeline.make_iterator(prompts, prompts_per_step // jax.process_count(), seed=seed)
 
 
-def run(config, workdir: str) -> str:
-  from dgr2_jax.model import checkpoint as model_ckpt
-  from dgr2_jax.stages import pipeline
-  from dgr2_jax.train import opd, rollouts
+def distillation(config, oc, task: dict, src: str, teacher_dir: str):
+  """(model config, student params, make_batch, loss_fn) of on-policy distillation.
 
-  oc = section(config, STAGE, opd.opd_config)
-  if oc.teacher not in opd.TEACHERS:
-    raise ValueError(f"config.opd.teacher must be one of {opd.TEACHERS}, got {oc.teacher!r}")
-  src = oc.init_from or pipeline.previous_model_dir(config, workdir, STAGE)
-  teacher_dir = "" if oc.teacher == "self_tau1" else (oc.teacher_dir or pipeline.model_dir(workdir, "sft"))
-  if teacher_dir and not os.path.isdir(teacher_dir):
-    raise FileNotFoundError(f"config.opd.teacher_dir: {teacher_dir} not found (run the sft stage)")
-  out = common.stage_dir(workdir, STAGE)
-  traces_hash = (common.read_done(common.stage_dir(workdir, "traces")) or {}).get("config_hash")
-  chash = common.config_hash(config.seed, oc, config.decode, config.task, config.train.mesh,
-                             config.train.optimizer, src, common.model_hash(src), teacher_dir,
-                             common.model_hash(teacher_dir) if teacher_dir else None, traces_hash)
-  if common.is_fresh(out, chash):
-    return out
-  train_dir = sft_stage.prepare_train_dir(out, chash)
-  task = task_setup(config, workdir)
+  `make_batch(params, prompts, key) -> (batch, rollout metrics)` decodes `oc.rollouts_per_prompt`
+  rollouts per prompt from `params` and caches the teacher's distributions on them;
+  `loss_fn(params, batch) -> (KL, metrics)` is `train.opd.opd_loss`. Shared by the stage and by
+  `benchmarks/recipe_figures.py` (held-out KL before and after OPD).
+  """
+  from dgr2_jax.model import checkpoint as model_ckpt
+  from dgr2_jax.train import opd, rollouts
   mc, params = load_policy(config, src)
   dc = rollout_decode_config(config, task["tids"], mc, oc.temperature)
   bs, mask_id, g = dc.block_size, dc.mask_token_id, int(oc.rollouts_per_prompt)
@@ -174,11 +163,36 @@ def run(config, workdir: str) -> str:
                  **{n: np.asarray(v) for n, v in cache.items()})
     return batch, rollout_metrics(roll, score_rollouts(roll, prompts, g, task, alpha=0.2), seg)
 
+  loss_fn = functools.partial(opd.opd_loss, student_cfg, block_size=bs, teacher_top_k=k, mask_id=mask_id)
+  return mc, params, make_batch, loss_fn
+
+
+def run(config, workdir: str) -> str:
+  from dgr2_jax.model import checkpoint as model_ckpt
+  from dgr2_jax.stages import pipeline
+  from dgr2_jax.train import opd, rollouts
+
+  oc = section(config, STAGE, opd.opd_config)
+  if oc.teacher not in opd.TEACHERS:
+    raise ValueError(f"config.opd.teacher must be one of {opd.TEACHERS}, got {oc.teacher!r}")
+  src = oc.init_from or pipeline.previous_model_dir(config, workdir, STAGE)
+  teacher_dir = "" if oc.teacher == "self_tau1" else (oc.teacher_dir or pipeline.model_dir(workdir, "sft"))
+  if teacher_dir and not os.path.isdir(teacher_dir):
+    raise FileNotFoundError(f"config.opd.teacher_dir: {teacher_dir} not found (run the sft stage)")
+  out = common.stage_dir(workdir, STAGE)
+  traces_hash = (common.read_done(common.stage_dir(workdir, "traces")) or {}).get("config_hash")
+  chash = common.config_hash(config.seed, oc, config.decode, config.task, config.train.mesh,
+                             config.train.optimizer, src, common.model_hash(src), teacher_dir,
+                             common.model_hash(teacher_dir) if teacher_dir else None, traces_hash)
+  if common.is_fresh(out, chash):
+    return out
+  train_dir = sft_stage.prepare_train_dir(out, chash)
+  task = task_setup(config, workdir)
+  mc, params, make_batch, loss_fn = distillation(config, oc, task, src, teacher_dir)
   n = len(task["prompts"]["prompt_ids"])
-  pps = int(oc.prompts_per_step)
+  pps, g = int(oc.prompts_per_step), int(oc.rollouts_per_prompt)
   steps = int(oc.steps) or max(1, int(oc.epochs) * n // pps)
   tconf = on_policy_config(config, rows=pps * g, steps=steps, lr=oc.lr, grad_accum=oc.grad_accum_steps)
-  loss_fn = functools.partial(opd.opd_loss, student_cfg, block_size=bs, teacher_top_k=k, mask_id=mask_id)
   state = rollouts.train_on_policy(tconf, train_dir, params=params, loss_fn=loss_fn, make_batch=make_batch,
                                    prompt_iter=prompt_iterator(task["prompts"], pps, int(config.seed)),
                                    desc=STAGE)

@@ -95,8 +95,9 @@ def run(config, workdir: str) -> str:
     examples = {}
     for split in tc.splits:
       insert = tc.insert_target if split == "train" else "none"
-      exs, counts = traces_lib.build_examples(d["sequences"], d["candidates"][split], split,
-                                              insert_target=insert, seed=tc.seed)
+      exs, counts = traces_lib.build_examples(
+          d["sequences"], d["candidates"][split], split, insert_target=insert, seed=tc.seed,
+          shuffle=split == "train" and bool(tc.get("shuffle_train", False)))
       if tc.max_examples:
         exs = exs[:tc.max_examples]
       examples[split] = exs

@@ -12,12 +12,14 @@ def task_config() -> ml_collections.ConfigDict:
   c.tokenizer = ""
   c.demo_vocab_size = 2048
   c.enable_thinking = True       # passed to the chat template (Qwen3: response starts <think>)
-  c.prompt_variant = "compact"   # 'compact' (CPU) | 'full' (towards ~2200 Qwen3 tokens)
+  c.prompt_variant = "compact"   # 'compact' (CPU) | 'full' (~2200 Qwen3 tokens) | 'minimal' (tiny)
   c.short_title_words = 6        # compact variant title length
   c.max_history = 20             # most recent history items rendered (0 = all)
   c.num_candidates = 10
   c.insert_target = "none"       # train only: 'none' | 'replace_last' | 'random_position'
+  c.shuffle_train = False        # train only: candidates in a random order (see task/traces.py)
   c.rationale_tokens = 130       # built-in rationale length target, in tokens of the tokenizer
+  c.rationale_style = "full"     # 'full' (sentences, length ~ rationale_tokens) | 'terse' (2 lines)
   c.rationale_knows_target = True
   c.traces_path = ""             # external teacher JSONL; '' => built-in rationale generator
   c.accept = "top1"              # teacher trace rejection rule: 'top1' | 'promote'

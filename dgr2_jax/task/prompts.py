@@ -4,7 +4,10 @@ A prompt is a system message (expert re-ranker role + structured output specific
 message (the purchase history and the retriever's candidates, each item as SID + metadata).
 Variants: `compact` (SID + short title + leaf category; short prompts for CPU runs) and `full`
 (SID + full title + category path + brand + price for history and candidates, plus a longer
-instruction; towards the paper's ~2200-token prompts with a real Qwen3 tokenizer).
+instruction; towards the paper's ~2200-token prompts with a real Qwen3 tokenizer), and `minimal`
+(no system message, one `SID brand leaf` line per history item and `#k SID brand leaf` per
+candidate: ~110 demo-BPE tokens for 2 history items and 10 candidates, for tiny CPU models that
+must learn the format from a few thousand examples).
 
 Prompts that are too long for the static prompt length drop history items from the OLDEST side
 (`render_prompt_ids`), never candidates.
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-VARIANTS = ("compact", "full")
+VARIANTS = ("compact", "full", "minimal")
 
 SYSTEM_COMPACT = (
     "You are an expert re-ranker for a shopping recommender. Given a user's purchase history "
@@ -58,6 +61,9 @@ def _category(item: dict, full: bool) -> str:
 
 
 def item_line(item: dict, sid: str, variant: str, short_words: int = 6) -> str:
+  if variant == "minimal":
+    brand = item.get("brand")
+    return f"{sid} {brand if brand and brand != 'Unknown' else 'unknown'} {_category(item, False)}"
   if variant == "compact":
     return f"{sid} {short_title(item.get('title'), short_words)} ({_category(item, False)})"
   parts = [f"{sid}", f"title: {item.get('title') or 'unknown'}",
@@ -75,6 +81,11 @@ def build_messages(history: Sequence[int], candidates: Sequence[int], items: Seq
   """Chat messages (system + user) for one example; history is oldest first."""
   if variant not in VARIANTS:
     raise ValueError(f"task.prompt_variant must be one of {VARIANTS}, got {variant!r}")
+  if variant == "minimal":
+    hist = "\n".join(item_line(items[i], sids[i], variant) for i in history)
+    cand = "\n".join(f"#{k + 1} {item_line(items[i], sids[i], variant)}"
+                     for k, i in enumerate(candidates))
+    return [{"role": "user", "content": f"History:\n{hist or '(none)'}\nCandidates:\n{cand}"}]
   hist = "\n".join(f"{k + 1}. {item_line(items[i], sids[i], variant, short_words)}"
                    for k, i in enumerate(history))
   cand = "\n".join(f"{k + 1}. {item_line(items[i], sids[i], variant, short_words)}"
@@ -132,5 +143,6 @@ def render_prompt_ids(tokenizer, history: Sequence[int], candidates: Sequence[in
 
 def template_texts() -> list[str]:
   """Fixed prompt texts (for training the demo BPE)."""
-  return [SYSTEM_COMPACT, SYSTEM_FULL, "History (oldest first):", "Candidates:",
+  return [SYSTEM_COMPACT, SYSTEM_FULL, "History (oldest first):", "History:", "Candidates:",
+          " ".join(f"#{k}" for k in range(1, 21)),
           "Purchase history", "Candidates from the retriever", "title: category: brand: price:"]

@@ -5,8 +5,18 @@ below the top level), brand, and price band, and writes sentences that name the 
 The ranking puts one candidate first and keeps the retriever's order for the rest:
 - `knows_target=True` (training traces): the held-out target goes first;
 - `knows_target=False`: the candidate with the best metadata score goes first (ties: retriever
-  order), i.e. a rationale that does not peek at the label.
-Length: sentences about the other candidates (retriever order), then about earlier history
+  order), i.e. a rationale that does not peek at the label; in the 'terse' style the score is
+  the relation to the most recent purchase (the first candidate, in retriever order, with the
+  strongest of `RELATIONS`), so the choice is a function of what the minimal prompt shows.
+Styles (`STYLES`): 'full' (sentences, below) and 'terse' (for tiny CPU models: two short
+sentences, `Recent <sid> <brand> <leaf>. <relation> #<k> <sid>.`, where the relation of the
+chosen candidate to the most recent purchase is one of `RELATIONS` and k its 1-based position,
+as numbered by the 'minimal' prompt). Why this shape: naming the recent brand and leaf right
+before the choice is a chain of thought a 3-layer model can follow, and choosing by a number
+puts the whole decision in one token; the SID is then a copy of prompt line #k (choosing the
+SID token by token lets greedy decoding splice the codes of two likely candidates into an item
+that is not a candidate).
+Length ('full'): sentences about the other candidates (retriever order), then about earlier history
 items, are added while they bring the token count closer to `target_tokens`, counted with
 `count_fn` (the tokenizer in use); so the mean length tracks the knob.
 """
@@ -15,6 +25,11 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+STYLES = ("full", "terse")
+# Relation of a candidate to the most recent purchase, strongest first.
+# Each is visible in every prompt variant (brand and leaf category of the candidate, the last
+# purchase and the history).
+RELATIONS = ("Same brand", "Same type", "Brand seen", "Top pick")
 _BANDS = ((10.0, "under $10"), (25.0, "$10-25"), (50.0, "$25-50"), (float("inf"), "over $50"))
 
 
@@ -115,21 +130,47 @@ def _other(cand, sid, history, hist_sids) -> str:
   return f"{sid} ({_leaf(cand)}) has little overlap with the history."
 
 
+def relation(cand: dict, history: Sequence[dict]) -> str:
+  """The first of RELATIONS that holds between `cand` and the history (its last item)."""
+  if history:
+    last, cb = history[-1], _brand(cand)
+    if cb is not None and cb == _brand(last):
+      return RELATIONS[0]
+    if _leaf(cand) == _leaf(last):
+      return RELATIONS[1]
+    if cb is not None and any(_brand(h) == cb for h in history):
+      return RELATIONS[2]
+  return RELATIONS[3]
+
+
+def terse(history: Sequence[dict], hist_sids: Sequence[str], cand: dict, sid: str, pos: int) -> str:
+  """`Recent <sid> <brand> <leaf>. <relation> #<k> <sid>.` (see the module docstring)."""
+  head = (f"Recent {hist_sids[-1]} {_brand(history[-1]) or 'unknown'} {_leaf(history[-1])}. "
+          if history else "")
+  return head + f"{relation(cand, history)} #{pos + 1} {sid}."
+
+
 def generate(history: Sequence[dict], hist_sids: Sequence[str], candidates: Sequence[dict],
              cand_sids: Sequence[str], target_pos: int | None = None, *, knows_target: bool = True,
-             target_tokens: int = 130,
-             count_fn: Callable[[str], int] | None = None) -> tuple[str, list[int]]:
+             target_tokens: int = 130, count_fn: Callable[[str], int] | None = None,
+             style: str = "full") -> tuple[str, list[int]]:
   """Returns (reasoning text, ranking as 0-based candidate positions)."""
+  if style not in STYLES:
+    raise ValueError(f"task.rationale_style must be one of {STYLES}, got {style!r}")
   count = count_fn or (lambda s: max(1, round(len(s.split()) * 1.3)))
   n = len(candidates)
   if knows_target:
     if target_pos is None or not 0 <= target_pos < n:
       raise ValueError(f"knows_target=True needs a target among the candidates, got {target_pos}")
     first = target_pos
+  elif style == "terse":
+    first = min(range(n), key=lambda k: (RELATIONS.index(relation(candidates[k], history)), k))
   else:
     scores = [score(c, history) for c in candidates]
     first = max(range(n), key=lambda k: (scores[k], -k))
   ranking = [first] + [k for k in range(n) if k != first]
+  if style == "terse":
+    return terse(history, hist_sids, candidates[first], cand_sids[first], first), ranking
   head = [_profile(history, hist_sids),
           _reason_first(candidates[first], cand_sids[first], history, hist_sids)]
   tail = (f"So {cand_sids[first]} goes first and the other candidates keep the retriever's order."
@@ -156,7 +197,8 @@ def generate(history: Sequence[dict], hist_sids: Sequence[str], candidates: Sequ
 
 def template_texts() -> list[str]:
   """Fixed rationale phrases (for training the demo BPE)."""
-  return ["The history has items, mostly , brands , usually priced "
+  return ["Recent " + " ".join(RELATIONS),
+          "The history has items, mostly , brands , usually priced "
           "The most recent purchase is ",
           "Candidate shares the category path with has the brand bought before as fits the usual "
           "price range, so it is the best match.",

@@ -87,13 +87,19 @@ def build_demo_tokenizer(texts: Iterable[str], sid_tokens: Sequence[str], out_di
 def demo_corpus(items: Sequence[dict]) -> list[str]:
   """Texts the demo BPE is trained on: item metadata, prompt/rationale templates, JSON."""
   from dgr2_jax.task import prompts, rationale
-  out = list(prompts.template_texts()) + list(rationale.template_texts())
+  # BPE merges need a pair seen twice (min_frequency=2): fixed texts go in twice, so each
+  # template word becomes one token.
+  out = 2 * (list(prompts.template_texts()) + list(rationale.template_texts()))
   out.append('{"ranking": ["", ""]}')
   for it in items:
     out.append(it.get("title") or "")
     out.append(" > ".join(it.get("categories") or []))
     if it.get("brand"):
       out.append(str(it["brand"]))
+    # Mid-line form (after a SID, as in every prompt variant): byte-level BPE keeps the leading
+    # space, so ' Saffron' is a different word from 'Saffron'.
+    brand = it.get("brand") if it.get("brand") != "Unknown" else None
+    out.append(f" {brand or 'unknown'} {(it.get('categories') or ['item'])[-1]}")
     if it.get("price") is not None:
       out.append(f"${it['price']:.2f}")
   return out

@@ -5,6 +5,10 @@ Example (plain dict): example_id (= user index; unique within a split), user, sp
 the target inserted), target_pos (0-based position of the target in candidates, -1 if absent),
 inserted (bool).
 
+`task.shuffle_train` shuffles the training candidates: a tiny model that sees the retriever's
+lists only learns their frequent successions (and copies them where a test list differs) instead
+of copying the list it is shown.
+
 Splits (leave-one-out): train target = seq[-3] (history seq[:-3]); valid seq[-2]; test seq[-1].
 Eval sets (`insert_target='none'`, `require_target=True`) keep only users whose target is among
 the candidates: the paper's test set. For training, `task.insert_target` decides what happens
@@ -35,8 +39,12 @@ ACCEPT_RULES = ("top1", "promote")
 
 def build_examples(sequences: Sequence[Sequence[int]], candidates: np.ndarray, split: str, *,
                    insert_target: str = "none", require_target: bool = True,
-                   seed: int = 0) -> tuple[list[dict], dict]:
-  """Examples of one split plus counts of what was kept, inserted and dropped."""
+                   seed: int = 0, shuffle: bool = False) -> tuple[list[dict], dict]:
+  """Examples of one split plus counts of what was kept, inserted and dropped.
+
+  `shuffle=True` presents each user's candidates in an order drawn from a generator seeded by
+  (seed, user, 1) instead of the retriever's (a training augmentation, `task.shuffle_train`).
+  """
   if split not in SPLIT_CUT:
     raise ValueError(f"split must be one of {tuple(SPLIT_CUT)}, got {split!r}")
   if insert_target not in INSERT_RULES:
@@ -70,6 +78,10 @@ def build_examples(sequences: Sequence[Sequence[int]], candidates: np.ndarray, s
       counts["dropped_no_target"] += 1
       continue
     counts["inserted"] += inserted
+    if shuffle:
+      perm = np.random.default_rng([seed, u, 1]).permutation(len(cands))
+      cands = [cands[k] for k in perm]
+      pos = cands.index(target) if target in cands else -1
     out.append(dict(example_id=u, user=u, split=split, history=history, target=target,
                     candidates=cands, target_pos=pos, inserted=inserted))
   counts["kept"] = len(out)
@@ -90,7 +102,7 @@ def builtin_trace(ex: dict, items, sids, task_cfg, count_fn: Callable[[str], int
       [items[i] for i in hist], [sids[i] for i in hist],
       [items[i] for i in ex["candidates"]], [sids[i] for i in ex["candidates"]],
       ex["target_pos"], knows_target=knows_target, target_tokens=task_cfg.rationale_tokens,
-      count_fn=count_fn)
+      count_fn=count_fn, style=task_cfg.get("rationale_style", "full"))
   ranking = [sids[ex["candidates"][k]] for k in order]
   return dict(ex, messages=example_messages(ex, items, sids, task_cfg),
               response=answer_lib.format_response(reasoning, ranking), source="builtin")

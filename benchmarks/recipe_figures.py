@@ -1,0 +1,177 @@
+"""The recipe's quality figures on one workdir: what issues #6 and #7 ask to see, from one script.
+
+  python benchmarks/recipe_figures.py --config=configs/demo.py --workdir=/tmp/dgr2_demo \
+      [--split=valid] [--max_examples=256] [--kl_prompts=64] [--config.x.y=...]
+
+1. Runs the pipeline of `--config` in `--workdir` (finished stages are skipped, so after the demo
+   this costs seconds), without the frontier benchmark.
+2. Evaluates every model of the chain on `--split` (the training stages never read it): the AR
+   teacher with AR decoding, the diffusion models with `config.decode` -> valid rate, Recall@1,
+   pre-rank floor, mean reward (`train.grpo.reward`, alpha = `config.rl.alpha`), mean NFE.
+3. KL(teacher || student) on held-out prompts, before (CFT model) and after OPD: each student
+   decodes `--kl_prompts` prompts of `--split` (`config.opd.rollouts_per_prompt` rollouts each,
+   the same PRNG key for both), the AR teacher scores them, and `train.opd.opd_loss` averages the
+   KL over the committed tokens, exactly as in training.
+4. The RL run's mean reward over its first and last quarter of steps (from its metrics.jsonl).
+Then prints the checks of the issues' "Done when" with their measured values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from dgr2_jax import main as main_lib  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", os.path.join(REPO, "configs", "demo.py"),
+                                          "pipeline config file")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/dgr2_demo", "pipeline workdir")
+_SPLIT = flags.DEFINE_enum("split", "valid", ["valid", "test"], "held-out split to score on")
+_MAX = flags.DEFINE_integer("max_examples", 256, "examples of the split per model (0 = all)")
+_KL_PROMPTS = flags.DEFINE_integer("kl_prompts", 64, "held-out prompts for the OPD KL (0 = skip)")
+
+
+def ladder(config, workdir: str, split: str, max_examples: int) -> list[dict]:
+  """Eval rows of every model of the chain on `split` (cached by the eval stage's own hash)."""
+  from dgr2_jax.stages import eval as eval_stage
+  from dgr2_jax.stages import pipeline
+  from dgr2_jax.task import traces as traces_lib
+  from dgr2_jax.train import grpo
+  alpha = float(config.rl.alpha) if "rl" in config else 0.2
+  examples = {e["example_id"]: e for e in traces_lib.read_jsonl(
+      os.path.join(workdir, "traces", f"{split}.jsonl"))}
+  rows = []
+  for method, stage in pipeline.ladder_methods(config):
+    c = pipeline.method_config(config, workdir, method, stage)
+    with c.unlocked():
+      c.eval.split = split
+      c.eval.name = f"{method}-{split}"
+      c.eval.max_examples = max_examples
+    out = eval_stage.run(c, workdir)
+    with open(os.path.join(out, "metrics.json")) as f:
+      m = json.load(f)
+    preds = traces_lib.read_jsonl(os.path.join(out, "predictions.jsonl"))
+    rew = []
+    for p in preds:
+      cands = examples[p["example_id"]]["candidates"]
+      parsed = None
+      if p["verdict"] == "valid":
+        parsed = _Parsed(tuple(cands.index(i) for i in p["ranking_items"]))
+      rew.append(grpo.reward(parsed, p["target_pos"] + 1, len(cands), alpha))
+    rows.append(dict(method=method, valid_rate=m["valid_rate"], recall1=m["recall@1"],
+                     floor=m["prerank_floor"]["recall@1"], reward=sum(rew) / len(rew),
+                     nfe=m["mean_nfe"], n=m["n"]))
+  return rows
+
+
+class _Parsed:
+  """What `grpo.reward` reads of an `answer.Parsed` (a valid one)."""
+  valid = True
+
+  def __init__(self, positions):
+    self.positions = positions
+
+
+def heldout_kl(config, workdir: str, split: str, n_prompts: int) -> dict:
+  """{student stage: mean KL to the AR teacher on its own rollouts of `n_prompts` held-out prompts}."""
+  import jax
+  from dgr2_jax.stages import opd as opd_stage
+  from dgr2_jax.stages import pipeline
+  from dgr2_jax.train import opd
+  oc = opd_stage.section(config, "opd", opd.opd_config)
+  task = opd_stage.task_setup(config, workdir, split)
+  prompts = {k: v[:n_prompts] for k, v in task["prompts"].items()}
+  per = max(1, int(oc.prompts_per_step))
+  out = {}
+  for stage in ("cft", "opd"):
+    src = pipeline.model_dir(workdir, stage)
+    if not os.path.isdir(src):
+      continue
+    _, params, make_batch, loss_fn = opd_stage.distillation(
+        config, oc, task, src, oc.teacher_dir or pipeline.model_dir(workdir, "sft"))
+    loss_fn = jax.jit(loss_fn)
+    kl_sum, tok_sum = 0.0, 0.0
+    for i in range(0, len(prompts["prompt_ids"]), per):
+      chunk = {k: v[i:i + per] for k, v in prompts.items()}
+      if len(chunk["prompt_ids"]) < per:  # static shapes: the last partial chunk is dropped
+        break
+      batch, _ = make_batch(params, chunk, jax.random.PRNGKey(1000 + i))
+      _, aux = loss_fn(params, batch)
+      kl_sum += float(aux["kl_to_teacher"]) * float(aux["tokens"])
+      tok_sum += float(aux["tokens"])
+    out[stage] = kl_sum / max(tok_sum, 1.0)
+    print(f"held-out KL to teacher, {stage} model: {out[stage]:.4f} over {int(tok_sum)} tokens",
+          flush=True)
+  return out
+
+
+def rl_reward_trend(workdir: str) -> tuple[float, float, int] | None:
+  path = os.path.join(workdir, "rl", "train", "metrics.jsonl")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    r = [json.loads(line)["reward_mean"] for line in f if line.strip()]
+  q = max(1, len(r) // 4)
+  return sum(r[:q]) / q, sum(r[-q:]) / q, len(r)
+
+
+def main(argv):
+  del argv
+  config, workdir = _CONFIG.value, _WORKDIR.value
+  with config.unlocked():
+    config.stage = "pipeline"
+    config.pipeline.stages = tuple(s for s in config.pipeline.stages if s != "bench")
+  main_lib.run(config, workdir)
+  rows = ladder(config, workdir, _SPLIT.value, _MAX.value)
+  print(f"\nModels on the {_SPLIT.value} split ({workdir}):")
+  print("| method | valid_rate | recall@1 | pre-rank recall@1 | mean reward | mean NFE | n |")
+  print("|---|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['method']} | {r['valid_rate']:.4f} | {r['recall1']:.4f} | {r['floor']:.4f} | "
+          f"{r['reward']:.4f} | {r['nfe']:.1f} | {r['n']} |")
+  by = {r["method"]: r for r in rows}
+  kl = heldout_kl(config, workdir, _SPLIT.value, _KL_PROMPTS.value) if _KL_PROMPTS.value else {}
+  trend = rl_reward_trend(workdir)
+
+  checks = []
+  if "ar" in by:
+    ar = by["ar"]
+    checks.append(("#6 AR teacher valid rate > 0.95", ar["valid_rate"] > 0.95, f"{ar['valid_rate']:.4f}"))
+    checks.append(("#6 AR teacher Recall@1 > pre-rank floor", ar["recall1"] > ar["floor"],
+                   f"{ar['recall1']:.4f} vs {ar['floor']:.4f}"))
+    if "naive" in by:
+      nv = by["naive"]
+      checks.append(("#6 naive conversion valid rate far below the teacher's (< half)",
+                     nv["valid_rate"] < 0.5 * ar["valid_rate"], f"{nv['valid_rate']:.4f}"))
+  if "cft" in by:
+    checks.append(("#6 CFT valid rate > 0.95", by["cft"]["valid_rate"] > 0.95,
+                   f"{by['cft']['valid_rate']:.4f}"))
+  if "cft" in kl and "opd" in kl:
+    checks.append(("#7 OPD lowers held-out KL to the teacher", kl["opd"] < kl["cft"],
+                   f"{kl['cft']:.4f} -> {kl['opd']:.4f}"))
+  if "cft" in by and "cft_opd" in by:
+    a, b = by["cft"]["recall1"], by["cft_opd"]["recall1"]
+    checks.append(("#7 OPD does not lower Recall@1", b >= a, f"{a:.4f} -> {b:.4f}"))
+  if trend is not None:
+    checks.append(("#7 RL raises mean reward over its run (first vs last quarter of steps)",
+                   trend[1] > trend[0], f"{trend[0]:.4f} -> {trend[1]:.4f} over {trend[2]} steps"))
+  last = rows[-1] if rows else None
+  if last is not None and "ar" in by and last["method"] != "ar":
+    gap = by["ar"]["recall1"] - last["recall1"]
+    checks.append((f"#8 final model ({last['method']}) within 0.01 Recall@1 of the AR teacher",
+                   gap <= 0.01, f"{last['recall1']:.4f} vs {by['ar']['recall1']:.4f}"))
+  print("\nChecks:")
+  for name, ok, value in checks:
+    print(f"  [{'PASS' if ok else 'FAIL'}] {name}: {value}")
+
+
+if __name__ == "__main__":
+  app.run(main)
