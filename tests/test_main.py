@@ -95,13 +95,15 @@ def test_paper_hyper_parameters():
     ({"opd.teacher": "gpt"}, "config.opd.teacher", ValueError),
     ({"opd.init_from": "/nonexistent"}, "config.opd.init_from", FileNotFoundError),
     ({"bench.thresholds": (0.9, 1.5)}, "config.bench.thresholds", ValueError),
-    ({"bench.block_sizes": (32, 48)}, "config.bench.block_sizes", ValueError),
+    ({"bench.block_sizes": (32, 40)}, "config.bench.block_sizes", ValueError),
     ({"stage": "eval"}, "config.eval.model_dir", ValueError),
     ({"stage": "eval", "eval.model_dir": "/nonexistent"}, "config.eval.model_dir",
      FileNotFoundError),
     ({"eval.split": "dev"}, "config.eval.split", ValueError),
 ])
-def test_validation_names_the_field(tmp_path, overrides, field, exc):
+def test_validation_names_the_field(tmp_path, monkeypatch, overrides, field, exc):
+  # A case that validation lets through must fail here, not run the demo pipeline.
+  monkeypatch.setattr(main_lib, "stage_fn", lambda name: pytest.fail(f"{overrides} passed validation"))
   c = load_config("demo.py")
   for k, v in overrides.items():
     node = c
