@@ -60,10 +60,20 @@ def _category(item: dict, full: bool) -> str:
   return " > ".join(cats) if full else cats[-1]
 
 
+def brand(item: dict) -> str | None:
+  """The item's brand; None when missing or Beauty's placeholder 'Unknown'."""
+  b = item.get("brand")
+  return None if not b or b == "Unknown" else str(b)
+
+
+def brand_leaf(item: dict) -> str:
+  """`<brand> <leaf category>`: the words of a `minimal` item line (and of the terse rationale)."""
+  return f"{brand(item) or 'unknown'} {_category(item, False)}"
+
+
 def item_line(item: dict, sid: str, variant: str, short_words: int = 6) -> str:
   if variant == "minimal":
-    brand = item.get("brand")
-    return f"{sid} {brand if brand and brand != 'Unknown' else 'unknown'} {_category(item, False)}"
+    return f"{sid} {brand_leaf(item)}"
   if variant == "compact":
     return f"{sid} {short_title(item.get('title'), short_words)} ({_category(item, False)})"
   parts = [f"{sid}", f"title: {item.get('title') or 'unknown'}",

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from dgr2_jax.task import prompts
+
 STYLES = ("full", "terse")
 # Relation of a candidate to the most recent purchase, strongest first.
 # Each is visible in every prompt variant (brand and leaf category of the candidate, the last
@@ -52,11 +54,6 @@ def _leaf(item: dict) -> str:
   return c[-1] if c else "item"
 
 
-def _brand(item: dict) -> str | None:
-  b = item.get("brand")
-  return None if not b or b == "Unknown" else str(b)
-
-
 def _common_prefix(a: list[str], b: list[str]) -> int:
   n = 0
   for x, y in zip(a, b):
@@ -74,8 +71,8 @@ def _match(cand: dict, history: Sequence[dict]):
     d = _common_prefix(cc, _cats(h))
     if d >= best and d > 0:  # later (more recent) wins ties
       best, best_j = d, j
-  b = _brand(cand)
-  brand_hits = [j for j, h in enumerate(history) if b is not None and _brand(h) == b]
+  b = prompts.brand(cand)
+  brand_hits = [j for j, h in enumerate(history) if b is not None and prompts.brand(h) == b]
   bands = [price_band(h.get("price")) for h in history if h.get("price") is not None]
   major = max(set(bands), key=bands.count) if bands else None
   band_ok = major is not None and price_band(cand.get("price")) == major
@@ -92,7 +89,7 @@ def _profile(history: Sequence[dict], hist_sids: Sequence[str]) -> str:
     return "The user has no earlier purchases, so the candidates are judged on their own."
   tops = [(_cats(h) or ["other"])[0] for h in history]
   top = max(dict.fromkeys(tops), key=tops.count)
-  brands = [b for b in map(_brand, history) if b]
+  brands = [b for b in map(prompts.brand, history) if b]
   bands = [price_band(h.get("price")) for h in history if h.get("price") is not None]
   s = f"The history has {len(history)} items, mostly {top} ({tops.count(top)} of {len(history)})"
   if brands:
@@ -109,7 +106,8 @@ def _reason_first(cand, sid, history, hist_sids) -> str:
     path = " > ".join(_cats(cand)[:depth])
     parts.append(f"shares the category path {path} with {hist_sids[j]}")
   if brand_hits:
-    parts.append(f"has the brand {_brand(cand)} bought before as {hist_sids[brand_hits[-1]]}")
+    parts.append(f"has the brand {prompts.brand(cand)} bought before as "
+                 f"{hist_sids[brand_hits[-1]]}")
   if band_ok:
     parts.append("fits the usual price range")
   if not parts:
@@ -124,7 +122,7 @@ def _other(cand, sid, history, hist_sids) -> str:
   if depth >= 2:
     return f"{sid} ({_leaf(cand)}) is close to {hist_sids[j]} but less specific to the recent need."
   if brand_hits:
-    return f"{sid} ({_leaf(cand)}) repeats the brand {_brand(cand)} but in another category."
+    return f"{sid} ({_leaf(cand)}) repeats the brand {prompts.brand(cand)} but in another category."
   if depth == 1:
     return f"{sid} ({_leaf(cand)}) only shares the broad area {_cats(cand)[0]}."
   return f"{sid} ({_leaf(cand)}) has little overlap with the history."
@@ -133,20 +131,19 @@ def _other(cand, sid, history, hist_sids) -> str:
 def relation(cand: dict, history: Sequence[dict]) -> str:
   """The first of RELATIONS that holds between `cand` and the history (its last item)."""
   if history:
-    last, cb = history[-1], _brand(cand)
-    if cb is not None and cb == _brand(last):
+    last, cb = history[-1], prompts.brand(cand)
+    if cb is not None and cb == prompts.brand(last):
       return RELATIONS[0]
     if _leaf(cand) == _leaf(last):
       return RELATIONS[1]
-    if cb is not None and any(_brand(h) == cb for h in history):
+    if cb is not None and any(prompts.brand(h) == cb for h in history):
       return RELATIONS[2]
   return RELATIONS[3]
 
 
 def terse(history: Sequence[dict], hist_sids: Sequence[str], cand: dict, sid: str, pos: int) -> str:
   """`Recent <sid> <brand> <leaf>. <relation> #<k> <sid>.` (see the module docstring)."""
-  head = (f"Recent {hist_sids[-1]} {_brand(history[-1]) or 'unknown'} {_leaf(history[-1])}. "
-          if history else "")
+  head = f"Recent {hist_sids[-1]} {prompts.brand_leaf(history[-1])}. " if history else ""
   return head + f"{relation(cand, history)} #{pos + 1} {sid}."
 
 

@@ -98,8 +98,7 @@ def demo_corpus(items: Sequence[dict]) -> list[str]:
       out.append(str(it["brand"]))
     # Mid-line form (after a SID, as in every prompt variant): byte-level BPE keeps the leading
     # space, so ' Saffron' is a different word from 'Saffron'.
-    brand = it.get("brand") if it.get("brand") != "Unknown" else None
-    out.append(f" {brand or 'unknown'} {(it.get('categories') or ['item'])[-1]}")
+    out.append(" " + prompts.brand_leaf(it))
     if it.get("price") is not None:
       out.append(f"${it['price']:.2f}")
   return out
