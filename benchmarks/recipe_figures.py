@@ -43,9 +43,12 @@ def ladder(config, workdir: str, split: str, max_examples: int) -> list[dict]:
   """Eval rows of every model of the chain on `split` (cached by the eval stage's own hash)."""
   from dgr2_jax.stages import eval as eval_stage
   from dgr2_jax.stages import pipeline
+  from dgr2_jax.stages import traces as traces_stage
+  from dgr2_jax.task import answer as answer_lib
   from dgr2_jax.task import traces as traces_lib
   from dgr2_jax.train import grpo
   alpha = float(config.rl.alpha) if "rl" in config else 0.2
+  _, sids = traces_stage.load_items_sids(workdir)
   examples = {e["example_id"]: e for e in traces_lib.read_jsonl(
       os.path.join(workdir, "traces", f"{split}.jsonl"))}
   rows = []
@@ -59,25 +62,14 @@ def ladder(config, workdir: str, split: str, max_examples: int) -> list[dict]:
     with open(os.path.join(out, "metrics.json")) as f:
       m = json.load(f)
     preds = traces_lib.read_jsonl(os.path.join(out, "predictions.jsonl"))
-    rew = []
-    for p in preds:
-      cands = examples[p["example_id"]]["candidates"]
-      parsed = None
-      if p["verdict"] == "valid":
-        parsed = _Parsed(tuple(cands.index(i) for i in p["ranking_items"]))
-      rew.append(grpo.reward(parsed, p["target_pos"] + 1, len(cands), alpha))
+    cands = [examples[p["example_id"]]["candidates"] for p in preds]
+    parsed = [answer_lib.parse_response(p["output"], [sids[i] for i in c])
+              for p, c in zip(preds, cands)]
+    rew = grpo.rewards(parsed, [p["target_pos"] + 1 for p in preds], len(cands[0]), alpha)
     rows.append(dict(method=method, valid_rate=m["valid_rate"], recall1=m["recall@1"],
-                     floor=m["prerank_floor"]["recall@1"], reward=sum(rew) / len(rew),
+                     floor=m["prerank_floor"]["recall@1"], reward=float(rew.mean()),
                      nfe=m["mean_nfe"], n=m["n"]))
   return rows
-
-
-class _Parsed:
-  """What `grpo.reward` reads of an `answer.Parsed` (a valid one)."""
-  valid = True
-
-  def __init__(self, positions):
-    self.positions = positions
 
 
 def heldout_kl(config, workdir: str, split: str, n_prompts: int) -> dict:
@@ -96,7 +88,7 @@ def heldout_kl(config, workdir: str, split: str, n_prompts: int) -> dict:
     if not os.path.isdir(src):
       continue
     _, params, make_batch, loss_fn = opd_stage.distillation(
-        config, oc, task, src, oc.teacher_dir or pipeline.model_dir(workdir, "sft"))
+        config, oc, task, src, opd_stage.teacher_model_dir(oc, workdir))
     loss_fn = jax.jit(loss_fn)
     kl_sum, tok_sum = 0.0, 0.0
     for i in range(0, len(prompts["prompt_ids"]), per):

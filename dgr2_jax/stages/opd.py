@@ -118,6 +118,12 @@ def prompt_iterator(prompts: dict, prompts_per_step: int, seed: int):
   return pipeline.make_iterator(prompts, prompts_per_step // jax.process_count(), seed=seed)
 
 
+def teacher_model_dir(oc, workdir: str) -> str:
+  """`opd.teacher_dir`, else the workdir's SFT model; '' for the 'self_tau1' teacher."""
+  from dgr2_jax.stages import pipeline
+  return "" if oc.teacher == "self_tau1" else (oc.teacher_dir or pipeline.model_dir(workdir, "sft"))
+
+
 def distillation(config, oc, task: dict, src: str, teacher_dir: str):
   """(model config, student params, make_batch, loss_fn) of on-policy distillation.
 
@@ -176,7 +182,7 @@ def run(config, workdir: str) -> str:
   if oc.teacher not in opd.TEACHERS:
     raise ValueError(f"config.opd.teacher must be one of {opd.TEACHERS}, got {oc.teacher!r}")
   src = oc.init_from or pipeline.previous_model_dir(config, workdir, STAGE)
-  teacher_dir = "" if oc.teacher == "self_tau1" else (oc.teacher_dir or pipeline.model_dir(workdir, "sft"))
+  teacher_dir = teacher_model_dir(oc, workdir)
   if teacher_dir and not os.path.isdir(teacher_dir):
     raise FileNotFoundError(f"config.opd.teacher_dir: {teacher_dir} not found (run the sft stage)")
   out = common.stage_dir(workdir, STAGE)
