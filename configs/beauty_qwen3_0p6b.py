@@ -8,8 +8,8 @@
 workdir/sids/tokens.txt --mask_token '<|mask|>'` (or an HF dir that already holds the SID and
 mask tokens); the tokenizer follows it (task.tokenizer is a reference to model.init_from).
 Paper settings: block size 32, CFT 3 epochs, OPD G'=4 / lr 1e-6 / 128 prompts per step, RL G=8 /
-lr 5e-7 / 600 steps / alpha 0.2 / clip 0.2. The paper's "64 denoising steps" eval budget has no
-field in the threshold decoder (tau 0.9 here); see the report in stages/bench.py's frontier.
+lr 5e-7 / 600 steps / alpha 0.2 / clip 0.2. The paper's "64 denoising steps" eval budget is
+`decode.steps_per_block = 8` (configs/base.py explains the mapping), with tau 0.9.
 Same ablation variants as demo.py after ':'.
 """
 

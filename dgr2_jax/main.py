@@ -44,6 +44,7 @@ RETRIEVER_SOURCES = ("sasrec", "file")
 SPLITS = ("train", "valid", "test")
 PROMPT_VARIANTS = ("compact", "full", "minimal")  # dgr2_jax.task.prompts.VARIANTS
 RATIONALE_STYLES = ("full", "terse")  # dgr2_jax.task.rationale.STYLES
+ANSWER_IDS = ("sid", "number")  # dgr2_jax.task.answer.ANSWER_IDS
 INSERT_TARGET = ("none", "replace_last", "random_position")
 TOO_LONG = ("drop", "truncate_reasoning")
 ACCEPT = ("top1", "promote")
@@ -115,6 +116,9 @@ def _check_decode(d, name: str = "decode"):
     _fail(f"{name}.top_k", f"must be an int >= 0, got {d.top_k!r}")
   if not 0.0 < float(d.top_p) <= 1.0:
     _fail(f"{name}.top_p", f"must be in (0, 1], got {d.top_p}")
+  spb = d.get("steps_per_block", 0)
+  if isinstance(spb, bool) or not isinstance(spb, int) or spb < 0:
+    _fail(f"{name}.steps_per_block", f"must be an int >= 0 (0 = no budget), got {spb!r}")
 
 
 def _runs(config) -> set:
@@ -179,6 +183,10 @@ def validate(config, workdir: str | None) -> None:
     t = c.task
     _one_of(c, "task", "prompt_variant", PROMPT_VARIANTS)
     _one_of(c, "task", "rationale_style", RATIONALE_STYLES)
+    _one_of(c, "task", "answer_ids", ANSWER_IDS)
+    if t.answer_ids == "number" and t.prompt_variant != "minimal":
+      _fail("task.answer_ids", f"'number' needs task.prompt_variant='minimal' (the "
+            f"{t.prompt_variant!r} prompt's instructions ask for SIDs)")
     _one_of(c, "task", "insert_target", INSERT_TARGET)
     _one_of(c, "task", "too_long_response", TOO_LONG)
     _one_of(c, "task", "accept", ACCEPT)

@@ -44,6 +44,27 @@ def test_while_loop_matches_python_reference(tiny_lm, bs):
     assert multi_commit, "the low thresholds should commit several tokens in one step"
 
 
+@pytest.mark.parametrize("tau", [1.0, 0.9])
+def test_step_budget_matches_reference_and_bounds_steps(tiny_lm, tau):
+  """`steps_per_block` S: at step t of a block, >= ceil(m / (S - t)) commits; never > S steps."""
+  cfg, params = tiny_lm
+  free = sampler.generate(cfg, params, PROMPTS, _dc(8, tau, eos_ids=()))
+  per_block = lambda out: [len(np.unique(out["commit_step"][row, k:k + 8]))
+                           for row in range(len(PROMPTS)) for k in (0, 8)]
+  assert max(per_block(free)) > 3, "the unbudgeted run must need more than 3 steps somewhere"
+  for s in (1, 3):
+    dc = _dc(8, tau, eos_ids=(), steps_per_block=s)
+    out = sampler.generate(cfg, params, PROMPTS, dc)
+    _assert_same(out, reference.reference_decode(cfg, params, PROMPTS, dc))
+    assert max(per_block(out)) <= s and int(out["forward_passes"]) <= 2 * s
+    assert (out["commit_step"] >= 0).all()
+  # S >= the block size never binds: the same trajectory as no budget.
+  _assert_same(sampler.generate(cfg, params, PROMPTS, _dc(8, tau, eos_ids=(), steps_per_block=8)),
+               free)
+  with pytest.raises(ValueError, match="steps_per_block"):
+    _dc(8, tau, steps_per_block=-1)
+
+
 def test_sampling_matches_reference(tiny_lm):
   cfg, params = tiny_lm
   dc = _dc(4, 0.3, temperature=0.8, top_k=20, top_p=0.9)

@@ -63,7 +63,8 @@ def test_toy_pipeline_end_to_end(tmp_path):
   out = proc.stdout
   for method in ("ar", "naive", "cft", "cft_opd", "cft_opd_rl"):
     assert f"| {method} | " in out, out
-  assert "held-out KL to teacher, cft model" in out and "held-out KL to teacher, opd model" in out
+  for stage in ("cft", "opd", "rl"):
+    assert f"held-out on-policy, {stage} model: KL to teacher" in out, out
   checks = [l for l in out.splitlines() if l.strip().startswith(("[PASS]", "[FAIL]"))]
   assert len(checks) == 8, out
   for split_dir in ("ar-valid", "cft_opd_rl-valid"):

@@ -64,7 +64,9 @@ def test_missing_think_close_is_unparseable():
     '{"ranking": ["' + C[0] + '", "' + C[1][:5],   # truncated JSON
     '{"rank": ' + json.dumps(C) + "}",             # wrong key
     '{"ranking": "' + C[0] + '"}',                 # not a list
-    '{"ranking": [1, 2, 3]}',                      # non-string entries
+    '{"ranking": [1, "' + C[0] + '"]}',              # mixed numbers and SIDs
+    '{"ranking": [true, false]}',                  # booleans are not numbers
+    '{"ranking": [1.0, 2.0]}',                     # nor are floats
     "I cannot rank these.",                        # no JSON at all
     "",
 ])
@@ -107,3 +109,23 @@ def test_out_of_set():
 def test_duplicate_candidates_are_a_caller_error():
   with pytest.raises(ValueError, match="not unique"):
     answer.parse_response(THINK + js(C), C[:9] + [C[0]])
+
+
+def test_candidate_numbers():
+  """`answer_ids='number'`: 1-based `#k` numbers map to the candidates' SIDs; same taxonomy."""
+  order = [3, 0, 1, 2, 4, 5, 6, 7, 8, 9]
+  nums = answer.ranking_entries(order, C, "number")
+  assert nums == [4, 1, 2, 3, 5, 6, 7, 8, 9, 10]
+  assert answer.ranking_entries(order, C, "sid") == [C[k] for k in order]
+  text = answer.format_response("because", nums)
+  assert text.endswith('{"ranking": [4, 1, 2, 3, 5, 6, 7, 8, 9, 10]}')
+  p = parse(text)
+  assert p.valid and p.positions == tuple(order) and p.ranking == tuple(C[k] for k in order)
+  p = parse(THINK + js(list(range(1, 10)) + [11]))
+  assert p.verdict == answer.OUT_OF_SET and p.ranking[-1] == "#11"
+  assert parse(THINK + js([0] + list(range(2, 11)))).verdict == answer.OUT_OF_SET
+  p = parse(THINK + js([1] + list(range(1, 10))))
+  assert p.verdict == answer.DUPLICATE and p.flags == {answer.DUPLICATE, answer.OMISSION}
+  assert parse(THINK + js(list(range(1, 10)))).verdict == answer.OMISSION
+  with pytest.raises(ValueError, match="answer_ids"):
+    answer.ranking_entries(order, C, "index")

@@ -125,6 +125,22 @@ def test_every_builtin_answer_is_valid_and_target_first(train_traces, data, tok)
   assert 110 <= np.mean(lens) <= 150, np.mean(lens)  # tracks rationale_tokens=130
 
 
+def test_number_answers_are_short_and_parse_like_sids(data, tok, cfg):
+  """`task.answer_ids='number'`: the same ranking as candidate numbers, one demo-BPE token each."""
+  c = cfg.copy_and_resolve_references()
+  c.answer_ids, c.rationale_style = "number", "terse"
+  exs, _ = traces.build_examples(data["sequences"], data["candidates"]["train"], "train",
+                                 insert_target="random_position", seed=3)
+  for ex in exs:
+    t = traces.builtin_trace(ex, data["items"], data["sids"], c, count_fn(tok))
+    p = answer.parse_response(t["response"], [data["sids"][i] for i in t["candidates"]])
+    assert p.valid and p.positions[0] == t["target_pos"], t["response"]
+    tail = t["response"][t["response"].rindex("</think>") + len("</think>"):]
+    assert json.loads(tail)["ranking"] == [k + 1 for k in p.positions]
+    # '{"', 'ranking', '":', ' [', 10 numbers, 9 commas, ']}'
+    assert count_fn(tok)(tail) == 24, tail
+
+
 def test_rationale_length_knob_and_blind_variant(data, tok):
   items, sids = data["items"], data["sids"]
   ex = traces.build_examples(data["sequences"], data["candidates"]["train"], "train",
@@ -157,7 +173,8 @@ def test_terse_rationale_names_recent_item_and_relation(data, tok):
     brand = last.get("brand") if last.get("brand") != "Unknown" else None
     brand = brand or "unknown"
     assert text == (f"Recent {sids[ex['history'][-1]]} {brand} {last['categories'][-1]}. "
-                    f"{rel} #{ex['target_pos'] + 1} {sids[ex['target']]}.")
+                    f"{rel} #{ex['target_pos'] + 1} {sids[ex['target']]}. "
+                    f"So #{ex['target_pos'] + 1} goes first, the others keep their order.")
     assert order == [ex["target_pos"]] + [k for k in range(10) if k != ex["target_pos"]]
     # The precedence of RELATIONS, from the item fields directly.
     if tgt.get("brand") not in (None, "Unknown") and tgt.get("brand") == last.get("brand"):

@@ -46,6 +46,7 @@ def reference_decode(model_config, params, prompts, dc: DecodeConfig, rng=None, 
   for j in range(r // bs):
     if all(done):
       break
+    block_start = step
     while True:
       cands = [[i for i in range(bs) if not done[row] and canvas[row, j * bs + i] == m
                 and j * bs + i < eos_pos[row]] for row in range(b)]
@@ -74,8 +75,11 @@ def reference_decode(model_config, params, prompts, dc: DecodeConfig, rng=None, 
           tok = np.asarray(sampling.choose_tokens(key, lp_j, dc.temperature))
           lp = np.asarray(lp_j, np.float64)
         conf = {i: float(np.exp(lp[i, tok[i]])) for i in cands[row]}
-        best = max(cands[row], key=lambda i: (conf[i], -i))
-        chosen = [i for i in cands[row] if (dc.threshold < 1.0 and conf[i] >= dc.threshold) or i == best]
+        # The step budget: at least ceil(m / steps left) commits, most confident first.
+        left = max(dc.steps_per_block - (step - block_start), 1) if dc.steps_per_block else bs
+        k_min = -(-len(cands[row]) // left)
+        top = sorted(cands[row], key=lambda i: (-conf[i], i))[:k_min]
+        chosen = [i for i in cands[row] if (dc.threshold < 1.0 and conf[i] >= dc.threshold) or i in top]
         for i in chosen:
           canvas[row, j * bs + i] = tok[i]
           commit_step[row, j * bs + i] = step

@@ -17,6 +17,12 @@ A row finished early idles (no commits, no NFE counted for it) while the others 
 Commit rule (per row, over its masked positions before its first committed EOS): commit every
 position whose chosen token has probability >= tau, and always the most confident one; tau >= 1.0
 commits exactly one per step. A row whose block holds a committed EOS stops after that block.
+Step budget (`steps_per_block` S > 0, our extension of the design's rule, which is S = 0): at the
+block's step t (0-based) a row with m candidates commits at least its ceil(m / (S - t)) most
+confident ones (ties: lower index first), so no block takes more than S steps. This is the
+"denoising steps" budget of LLaDA / Fast-dLLM style evaluation (the paper evaluates with 64 steps):
+a model that is confident nowhere is made to commit several positions per step instead of falling
+back to one per step, i.e. to AR-like decoding at no speedup.
 
 NFE per row = forward passes run after prefill while that row still had positions to commit.
 `forward_passes` is the batch's count (the wall-clock-relevant one).
@@ -44,6 +50,7 @@ class DecodeConfig:
   temperature: float = 0.0        # 0 = greedy; traced
   top_k: int = 0                  # 0 = off; traced
   top_p: float = 1.0              # 1.0 = off; traced
+  steps_per_block: int = 0        # 0 = no budget; else at most this many steps per block; traced
   max_new_tokens: int = 128       # multiple of block_size; static
   eos_ids: tuple[int, ...] = ()
   mask_token_id: int | None = None
@@ -61,6 +68,8 @@ class DecodeConfig:
       raise ValueError(f"decode.temperature must be >= 0, got {self.temperature}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"decode.top_p must be in (0, 1], got {self.top_p}")
+    if self.steps_per_block < 0:
+      raise ValueError(f"decode.steps_per_block must be >= 0, got {self.steps_per_block}")
     if self.block_size > 1 and self.mask_token_id is None:
       raise ValueError("decode.block_size > 1 needs a mask token (model config mask_token_id)")
 
@@ -92,7 +101,8 @@ def window_forward(config, params, tokens, start, cache, slot_ids, key_valid, po
 
 
 def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids: tuple,
-            mask_id: int, params, prompt_tokens, prompt_len, threshold, temperature, top_k, top_p, rng):
+            mask_id: int, params, prompt_tokens, prompt_len, threshold, temperature, top_k, top_p, rng,
+            steps_per_block=0):
   c, bsz = model_config, block_size
   b, p = prompt_tokens.shape
   r = num_blocks * bsz
@@ -157,8 +167,14 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
     tok = jax.vmap(lambda k, lp: sampling.choose_tokens(k, lp, temperature))(keys, logp)  # [B,bsz]
     tok_lp = jnp.take_along_axis(logp, tok[..., None], -1)[..., 0]
     conf = jnp.exp(tok_lp)
-    best = jnp.argmax(jnp.where(cand, conf, -1.0), axis=1)
-    commit = cand & (((conf >= threshold) & (threshold < 1.0)) | (idx == best[:, None]))
+    # Rank of each candidate by confidence (0 = most confident; stable sort: ties -> lower index).
+    order = jnp.argsort(-jnp.where(cand, conf, -1.0), axis=1, stable=True)
+    rank = jnp.argsort(order, axis=1)                                   # [B,bsz]
+    steps_left = jnp.where(steps_per_block > 0,
+                           jnp.maximum(steps_per_block - (step - st["block_start"]), 1), bsz)
+    n_cand = cand.sum(axis=1)
+    k_min = (n_cand + steps_left - 1) // steps_left                     # [B]; 1 without a budget
+    commit = cand & (((conf >= threshold) & (threshold < 1.0)) | (rank < k_min[:, None]))
 
     new_block = jnp.where(commit, tok, canvas)
     cstep = jnp.where(commit, step, block_slice(st["commit_step"], j))
@@ -174,6 +190,7 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
     done = st["done"] | (block_done & (eos_pos < (j + 1) * bsz))
     return dict(
         step=step + 1, block=jnp.where(block_done, j + 1, j), first=block_done,
+        block_start=jnp.where(block_done, step + 1, st["block_start"]),
         canvas=canvas_all, commit_step=upd(st["commit_step"], cstep), logprob=upd(st["logprob"], lp_rec),
         eos_pos=eos_pos, done=done, carry=carry, cache=cache,
         nfe=st["nfe"] + (ran & has_cand).astype(jnp.int32),
@@ -185,7 +202,7 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
     return (st["block"] < num_blocks) & ~st["done"].all() & (st["step"] < r + num_blocks)
 
   st = dict(
-      step=jnp.int32(0), block=jnp.int32(0), first=jnp.bool_(True),
+      step=jnp.int32(0), block=jnp.int32(0), first=jnp.bool_(True), block_start=jnp.int32(0),
       canvas=jnp.full((b, r), mask_id, jnp.int32), commit_step=jnp.full((b, r), -1, jnp.int32),
       logprob=jnp.zeros((b, r), jnp.float32), eos_pos=jnp.full((b,), r, jnp.int32),
       done=jnp.zeros((b,), bool), carry=carry_logits, cache=cache,
@@ -199,7 +216,8 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
 @functools.lru_cache(maxsize=32)
 def compiled_decoder(model_config: Qwen3Config, block_size: int, max_new_tokens: int,
                      eos_ids: tuple, mask_id: int):
-  """One jitted function per static shape/config; tau, temperature, top-k/p and the key are traced."""
+  """One jitted function per static shape/config; tau, temperature, top-k/p, the key and the step
+  budget are traced."""
   fn = functools.partial(_decode, model_config, block_size, max_new_tokens // block_size,
                          tuple(eos_ids), mask_id)
   return jax.jit(fn)
@@ -231,7 +249,8 @@ def generate(model_config: Qwen3Config, params, prompts: Sequence[Sequence[int]]
   fn = compiled_decoder(model_config, dc.block_size, dc.max_new_tokens, tuple(dc.eos_ids), mask_id)
   rng = jax.random.PRNGKey(0) if rng is None else rng
   out = fn(params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.float32(dc.threshold),
-           jnp.float32(dc.temperature), jnp.int32(dc.top_k), jnp.float32(dc.top_p), rng)
+           jnp.float32(dc.temperature), jnp.int32(dc.top_k), jnp.float32(dc.top_p), rng,
+           jnp.int32(dc.steps_per_block))
   if return_device:
     return out
   out = jax.tree_util.tree_map(np.asarray, out)

@@ -32,7 +32,8 @@ from dgr2_jax.task import pipeline as pipeline_lib
 from dgr2_jax.task import tokenizer as tok_lib
 from dgr2_jax.task import traces as traces_lib
 
-DECODE_FIELDS = ("block_size", "threshold", "temperature", "top_k", "top_p", "max_new_tokens")
+DECODE_FIELDS = ("block_size", "threshold", "temperature", "top_k", "top_p", "max_new_tokens",
+                 "steps_per_block")
 
 
 def _tokenizer_path(config, workdir: str) -> str:

@@ -176,7 +176,7 @@ def run(config, workdir: str | None = None) -> str:
   dcfg = sampler.DecodeConfig(
       block_size=int(d.block_size), threshold=float(d.threshold),
       temperature=float(d.temperature), top_k=int(d.top_k), top_p=float(d.top_p),
-      max_new_tokens=int(d.max_new_tokens),
+      max_new_tokens=int(d.max_new_tokens), steps_per_block=int(d.get("steps_per_block", 0)),
       **_special_ids(model_config, tokenizer, int(d.block_size), config.model_dir))
   slots = prompt_slots(prompts, int(config.get("max_prompt_len", 0)))
   recs = generate_all(model_config, params, prompts, dcfg, int(config.batch_size), slots,

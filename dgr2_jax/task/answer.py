@@ -1,6 +1,10 @@
 """The answer format, its parser, and the failure taxonomy of the paper.
 
-Format (fixed): `<think>REASONING</think>{"ranking": ["<a_1><b_2><c_3><d_0>", ...]}` then EOS.
+Format: `<think>REASONING</think>{"ranking": ["<a_1><b_2><c_3><d_0>", ...]}` then EOS: the
+candidates' SIDs (the paper's format, `task.answer_ids='sid'`), or `{"ranking": [3, 1, 2, ...]}`:
+the 1-based candidate numbers the prompt shows as `#k` (`task.answer_ids='number'`, the tiny
+demo's choice: a 3-layer model writes a one-token number far more reliably than a 3-token SID
+picked by position). The parser reads both, so every consumer is format-agnostic.
 
 Parsing rules (documented contract; tests pin each one):
 - Trailing EOS/pad strings (`<|im_end|>`, `<|endoftext|>`) and anything after them are cut.
@@ -8,10 +12,12 @@ Parsing rules (documented contract; tests pin each one):
   so SIDs repeated inside the reasoning never count. Missing `</think>` => unparseable
   (the model never finished reasoning, e.g. truncated at the length limit).
 - In the answer text, the first `{...}` that JSON-decodes to an object with a "ranking" list of
-  strings is used; prose before or after it is tolerated. None => unparseable (truncated JSON,
-  wrong key, non-list, non-string entries).
-- Each entry is normalised before comparison: Unicode NFKC (full-width `＜ａ＿１＞` -> `<a_1>`),
-  then all whitespace and zero-width characters removed (`"<a_1> <b_2>"` -> `"<a_1><b_2>"`).
+  all strings or all integers is used; prose before or after it is tolerated. None =>
+  unparseable (truncated JSON, wrong key, non-list, mixed or other entry types, booleans).
+- String entries are normalised before comparison: Unicode NFKC (full-width `＜ａ＿１＞` ->
+  `<a_1>`), then all whitespace and zero-width characters removed (`"<a_1> <b_2>"` ->
+  `"<a_1><b_2>"`). Integer entries k in 1..N stand for candidate #k's SID; any other integer is
+  out of set (kept in `ranking` as `"#k"`).
 
 Verdict precedence (exactly one verdict per output, so the rates sum to 1):
   unparseable > out_of_set > duplicate > omission > valid.
@@ -58,13 +64,26 @@ class Parsed:
     return self.verdict == VALID
 
 
-def format_answer(ranking_sids: Sequence[str]) -> str:
-  return json.dumps({"ranking": list(ranking_sids)}, ensure_ascii=False)
+ANSWER_IDS = ("sid", "number")
 
 
-def format_response(reasoning: str, ranking_sids: Sequence[str]) -> str:
+def format_answer(ranking: Sequence[str | int]) -> str:
+  return json.dumps({"ranking": list(ranking)}, ensure_ascii=False)
+
+
+def format_response(reasoning: str, ranking: Sequence[str | int]) -> str:
   """The assistant message text without EOS (the pipeline appends the EOS token)."""
-  return f"{THINK_OPEN}{reasoning}{THINK_CLOSE}{format_answer(ranking_sids)}"
+  return f"{THINK_OPEN}{reasoning}{THINK_CLOSE}{format_answer(ranking)}"
+
+
+def ranking_entries(order: Sequence[int], candidate_sids: Sequence[str],
+                    answer_ids: str = "sid") -> list:
+  """The answer list for a ranking given as 0-based candidate positions."""
+  if answer_ids == "sid":
+    return [candidate_sids[k] for k in order]
+  if answer_ids == "number":
+    return [int(k) + 1 for k in order]
+  raise ValueError(f"task.answer_ids must be one of {ANSWER_IDS}, got {answer_ids!r}")
 
 
 def normalize_sid(s: str) -> str:
@@ -97,7 +116,11 @@ def _find_ranking(answer: str) -> list | None:
       obj = None
     if isinstance(obj, dict) and isinstance(obj.get("ranking"), list):
       r = obj["ranking"]
-      return r if all(isinstance(x, str) for x in r) else None
+      if all(isinstance(x, str) for x in r):
+        return r
+      if all(isinstance(x, int) and not isinstance(x, bool) for x in r):
+        return r
+      return None
     start = answer.find("{", start + 1)
   return None
 
@@ -115,7 +138,10 @@ def parse_response(text: str, candidate_sids: Sequence[str], require_think: bool
   ranking = _find_ranking(answer) if answer is not None else None
   if ranking is None:
     return Parsed(UNPARSEABLE, (), fallback, reasoning, frozenset([UNPARSEABLE]))
-  ranking = tuple(normalize_sid(x) for x in ranking)
+  if ranking and isinstance(ranking[0], int):
+    ranking = tuple(cands[k - 1] if 1 <= k <= len(cands) else f"#{k}" for k in ranking)
+  else:
+    ranking = tuple(normalize_sid(x) for x in ranking)
   flags = set()
   if any(x not in index for x in ranking):
     flags.add(OUT_OF_SET)

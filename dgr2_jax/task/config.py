@@ -21,6 +21,7 @@ def task_config() -> ml_collections.ConfigDict:
   c.rationale_tokens = 130       # built-in rationale length target, in tokens of the tokenizer
   c.rationale_style = "full"     # 'full' (sentences, length ~ rationale_tokens) | 'terse' (2 lines)
   c.rationale_knows_target = True
+  c.answer_ids = "sid"           # 'sid' (paper) | 'number': `#k` numbers (see task/answer.py)
   c.traces_path = ""             # external teacher JSONL; '' => built-in rationale generator
   c.accept = "top1"              # teacher trace rejection rule: 'top1' | 'promote'
   c.splits = ("train", "valid")  # splits the traces stage writes

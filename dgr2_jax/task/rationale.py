@@ -8,14 +8,18 @@ The ranking puts one candidate first and keeps the retriever's order for the res
   order), i.e. a rationale that does not peek at the label; in the 'terse' style the score is
   the relation to the most recent purchase (the first candidate, in retriever order, with the
   strongest of `RELATIONS`), so the choice is a function of what the minimal prompt shows.
-Styles (`STYLES`): 'full' (sentences, below) and 'terse' (for tiny CPU models: two short
-sentences, `Recent <sid> <brand> <leaf>. <relation> #<k> <sid>.`, where the relation of the
-chosen candidate to the most recent purchase is one of `RELATIONS` and k its 1-based position,
-as numbered by the 'minimal' prompt). Why this shape: naming the recent brand and leaf right
-before the choice is a chain of thought a 3-layer model can follow, and choosing by a number
-puts the whole decision in one token; the SID is then a copy of prompt line #k (choosing the
-SID token by token lets greedy decoding splice the codes of two likely candidates into an item
-that is not a candidate).
+Styles (`STYLES`): 'full' (sentences, below) and 'terse' (for tiny CPU models: three short
+sentences, `Recent <sid> <brand> <leaf>. <relation> #<k> <sid>. So #<k> goes first, the others
+keep their order.`, where the relation of the chosen candidate to the most recent purchase is
+one of `RELATIONS` and k its 1-based position, as numbered by the 'minimal' prompt). Why this
+shape: naming the recent brand and leaf right before the choice is a chain of thought a 3-layer
+model can follow, and choosing by a number puts the whole decision in one token; the SID is then
+a copy of prompt line #k (choosing the SID token by token lets greedy decoding splice the codes
+of two likely candidates into an item that is not a candidate). The closing sentence states the
+plan of the answer and makes the reasoning ~28 demo-BPE tokens, so that a short answer starts
+in the block after the one holding the choice, as in the paper's regime (~130 reasoning tokens,
+the ranking written after whole blocks of reasoning): the answer block is then decoded with the
+choice already in the KV cache, instead of in parallel with it.
 Length ('full'): sentences about the other candidates (retriever order), then about earlier history
 items, are added while they bring the token count closer to `target_tokens`, counted with
 `count_fn` (the tokenizer in use); so the mean length tracks the knob.
@@ -142,9 +146,11 @@ def relation(cand: dict, history: Sequence[dict]) -> str:
 
 
 def terse(history: Sequence[dict], hist_sids: Sequence[str], cand: dict, sid: str, pos: int) -> str:
-  """`Recent <sid> <brand> <leaf>. <relation> #<k> <sid>.` (see the module docstring)."""
+  """`Recent <sid> <brand> <leaf>. <relation> #<k> <sid>. So #<k> goes first, ...` (see the
+  module docstring)."""
   head = f"Recent {hist_sids[-1]} {prompts.brand_leaf(history[-1])}. " if history else ""
-  return head + f"{relation(cand, history)} #{pos + 1} {sid}."
+  return head + (f"{relation(cand, history)} #{pos + 1} {sid}. "
+                 f"So #{pos + 1} goes first, the others keep their order.")
 
 
 def generate(history: Sequence[dict], hist_sids: Sequence[str], candidates: Sequence[dict],
@@ -204,5 +210,6 @@ def template_texts() -> list[str]:
           "category. only shares the broad area has little overlap with the history.",
           "So goes first and the other candidates keep the retriever's order. stays first and the "
           "retriever's order is kept. Earlier, shows a lasting interest.",
-          "The user has no earlier purchases, so the candidates are judged on their own."] + [
+          "The user has no earlier purchases, so the candidates are judged on their own.",
+          " So # goes first, the others keep their order."] + [
               n for _, n in _BANDS]

@@ -91,6 +91,7 @@ def demo_corpus(items: Sequence[dict]) -> list[str]:
   # template word becomes one token.
   out = 2 * (list(prompts.template_texts()) + list(rationale.template_texts()))
   out.append('{"ranking": ["", ""]}')
+  out += 2 * ['{"ranking": [' + ", ".join(str(k) for k in range(1, 21)) + "]}"]
   for it in items:
     out.append(it.get("title") or "")
     out.append(" > ".join(it.get("categories") or []))

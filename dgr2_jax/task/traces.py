@@ -103,7 +103,8 @@ def builtin_trace(ex: dict, items, sids, task_cfg, count_fn: Callable[[str], int
       [items[i] for i in ex["candidates"]], [sids[i] for i in ex["candidates"]],
       ex["target_pos"], knows_target=knows_target, target_tokens=task_cfg.rationale_tokens,
       count_fn=count_fn, style=task_cfg.get("rationale_style", "full"))
-  ranking = [sids[ex["candidates"][k]] for k in order]
+  ranking = answer_lib.ranking_entries(order, [sids[i] for i in ex["candidates"]],
+                                       task_cfg.get("answer_ids", "sid"))
   return dict(ex, messages=example_messages(ex, items, sids, task_cfg),
               response=answer_lib.format_response(reasoning, ranking), source="builtin")
 
@@ -128,7 +129,7 @@ def import_traces(lines: Iterable[str], examples: dict, items, sids, task_cfg, *
   `examples` maps (split, example_id) -> example. Each JSONL line has `example_id` or `user`,
   optional `split` (default `default_split`) and `response`. Accepted responses are re-written
   canonically (`<think>` + stripped reasoning + `</think>` + canonical JSON with the candidates'
-  own SID strings). Returns (traces, counts with `read`, `accepted` and one count per reason).
+  own SID strings, or their numbers under `task.answer_ids='number'`). Returns (traces, counts with `read`, `accepted` and one count per reason).
   """
   counts = {"read": 0, "accepted": 0}
   out = []
@@ -155,7 +156,8 @@ def import_traces(lines: Iterable[str], examples: dict, items, sids, task_cfg, *
     if reason is not None:
       counts[reason] = counts.get(reason, 0) + 1
       continue
-    ranking = [cand_sids[k] for k in parsed.positions]
+    ranking = answer_lib.ranking_entries(parsed.positions, cand_sids,
+                                         task_cfg.get("answer_ids", "sid"))
     out.append(dict(ex, messages=example_messages(ex, items, sids, task_cfg),
                     response=answer_lib.format_response(parsed.reasoning.strip(), ranking),
                     source="import"))

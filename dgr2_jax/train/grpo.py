@@ -47,10 +47,7 @@ def rl_config() -> ml_collections.ConfigDict:
   c.kl_coef = 0.0              # > 0: k3 KL to the starting (reference) model
   c.temperature = 1.0          # rollout sampling temperature
   c.grad_accum_steps = 1
-  # Replay canvases per block (see train/replay.py): the dense multi-stream attention grows with
-  # (segments x block)^2, so the default bounds it; blocks that used more steps are merged (inexact,
-  # reported as replay_exact). block_size here = always exact.
-  c.replay_max_segments = 8
+  c.replay_max_segments = 8    # replay canvases per block: as opd.opd_config() explains
   return c
 
 

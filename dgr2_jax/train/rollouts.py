@@ -66,7 +66,7 @@ def sample(model_config, params, prompt_ids, prompt_len, decode_config: sampler.
   if batch_sharding is not None:
     toks, lens = jax.device_put(toks, batch_sharding), jax.device_put(lens, batch_sharding)
   out = fn(params, toks, lens, jnp.float32(dc.threshold), jnp.float32(dc.temperature),
-           jnp.int32(dc.top_k), jnp.float32(dc.top_p), rng)
+           jnp.int32(dc.top_k), jnp.float32(dc.top_p), rng, jnp.int32(dc.steps_per_block))
   out = {k: np.asarray(v) for k, v in out.items()}
   r = out["tokens"].shape[1]
   eos_pos = out["eos_pos"]
