@@ -44,7 +44,7 @@ def get_config(arg: str = ""):
   # ... in a shuffled order, so the tiny model learns to copy the list it is shown.
   c.task.shuffle_train = True
   # Tiny-model task format (see dgr2_jax/task/prompts.py and rationale.py): numbered
-  # 'SID brand leaf' lines (~120 tokens) and a two-sentence rationale that picks by number.
+  # 'SID brand leaf' lines (~120 tokens) and a three-sentence rationale that picks by number.
   c.task.prompt_variant = "minimal"
   c.task.rationale_style = "terse"
   # The built-in reasoner does not peek at the label: it ranks first the candidate most related
@@ -56,7 +56,7 @@ def get_config(arg: str = ""):
   c.task.answer_ids = "number"
   c.task.max_history = 2
   c.task.prompt_len = 128
-  c.task.response_len = 64       # ~18 reasoning + 26 answer tokens: 2 blocks of 32
+  c.task.response_len = 64       # ~28 reasoning + 26 answer tokens (at most 59): 2 blocks of 32
   c.model.hidden_size = 64
   c.model.intermediate_size = 192
   c.model.num_hidden_layers = 3
@@ -82,8 +82,8 @@ def get_config(arg: str = ""):
   c.rl.group_size = 4
   c.rl.prompts_per_step = 4
   c.rl.lr = 1e-4
-  # At most 8 replay canvases per block: exact for the blocks a tau=0.9 rollout of the CFT model
-  # finishes in <= 8 steps (most of them); 32 (always exact) needs ~29 GB for 16 rollouts.
+  # At most 8 replay canvases per block: exact, since decode.steps_per_block = 8 bounds every
+  # block's steps; 32 canvases (the block size) would need ~29 GB for 16 rollouts.
   c.opd.replay_max_segments = 8
   c.rl.replay_max_segments = 8
   c.bench.block_sizes = (c.cft.block_size,)

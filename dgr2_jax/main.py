@@ -19,6 +19,11 @@ import importlib.util
 import os
 import sys
 
+# Task vocabularies come from their (stdlib-only) modules; stage modules stay lazy.
+from dgr2_jax.task import answer as answer_lib
+from dgr2_jax.task import prompts as prompts_lib
+from dgr2_jax.task import rationale as rationale_lib
+
 # Stage name -> module with `run(config, workdir)`. Imported lazily by `stage_fn`.
 STAGES = {
     "data": "dgr2_jax.stages.data",
@@ -42,9 +47,6 @@ DATA_FORMATS = ("auto", "tsv", "mcauley")
 SID_ENCODERS = ("minilm", "npy", "hash")
 RETRIEVER_SOURCES = ("sasrec", "file")
 SPLITS = ("train", "valid", "test")
-PROMPT_VARIANTS = ("compact", "full", "minimal")  # dgr2_jax.task.prompts.VARIANTS
-RATIONALE_STYLES = ("full", "terse")  # dgr2_jax.task.rationale.STYLES
-ANSWER_IDS = ("sid", "number")  # dgr2_jax.task.answer.ANSWER_IDS
 INSERT_TARGET = ("none", "replace_last", "random_position")
 TOO_LONG = ("drop", "truncate_reasoning")
 ACCEPT = ("top1", "promote")
@@ -181,9 +183,9 @@ def validate(config, workdir: str | None) -> None:
 
   if "task" in c:
     t = c.task
-    _one_of(c, "task", "prompt_variant", PROMPT_VARIANTS)
-    _one_of(c, "task", "rationale_style", RATIONALE_STYLES)
-    _one_of(c, "task", "answer_ids", ANSWER_IDS)
+    _one_of(c, "task", "prompt_variant", prompts_lib.VARIANTS)
+    _one_of(c, "task", "rationale_style", rationale_lib.STYLES)
+    _one_of(c, "task", "answer_ids", answer_lib.ANSWER_IDS)
     if t.answer_ids == "number" and t.prompt_variant != "minimal":
       _fail("task.answer_ids", f"'number' needs task.prompt_variant='minimal' (the "
             f"{t.prompt_variant!r} prompt's instructions ask for SIDs)")

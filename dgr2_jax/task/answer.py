@@ -116,11 +116,9 @@ def _find_ranking(answer: str) -> list | None:
       obj = None
     if isinstance(obj, dict) and isinstance(obj.get("ranking"), list):
       r = obj["ranking"]
-      if all(isinstance(x, str) for x in r):
-        return r
-      if all(isinstance(x, int) and not isinstance(x, bool) for x in r):
-        return r
-      return None
+      sids = all(isinstance(x, str) for x in r)
+      numbers = all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+      return r if sids or numbers else None
     start = answer.find("{", start + 1)
   return None
 

@@ -19,7 +19,7 @@ def task_config() -> ml_collections.ConfigDict:
   c.insert_target = "none"       # train only: 'none' | 'replace_last' | 'random_position'
   c.shuffle_train = False        # train only: candidates in a random order (see task/traces.py)
   c.rationale_tokens = 130       # built-in rationale length target, in tokens of the tokenizer
-  c.rationale_style = "full"     # 'full' (sentences, length ~ rationale_tokens) | 'terse' (2 lines)
+  c.rationale_style = "full"     # 'full' (sentences, length ~ rationale_tokens) | 'terse' (3 sentences)
   c.rationale_knows_target = True
   c.answer_ids = "sid"           # 'sid' (paper) | 'number': `#k` numbers (see task/answer.py)
   c.traces_path = ""             # external teacher JSONL; '' => built-in rationale generator

@@ -129,7 +129,8 @@ def import_traces(lines: Iterable[str], examples: dict, items, sids, task_cfg, *
   `examples` maps (split, example_id) -> example. Each JSONL line has `example_id` or `user`,
   optional `split` (default `default_split`) and `response`. Accepted responses are re-written
   canonically (`<think>` + stripped reasoning + `</think>` + canonical JSON with the candidates'
-  own SID strings, or their numbers under `task.answer_ids='number'`). Returns (traces, counts with `read`, `accepted` and one count per reason).
+  own SID strings, or their numbers under `task.answer_ids='number'`). Returns (traces, counts
+  with `read`, `accepted` and one count per reason).
   """
   counts = {"read": 0, "accepted": 0}
   out = []
