@@ -80,41 +80,61 @@ def ladder(config, workdir: str, split: str, max_examples: int) -> list[dict]:
 
 
 def heldout_on_policy(config, workdir: str, split: str, n_prompts: int) -> dict:
-  """{stage: (mean KL to the AR teacher, mean reward)} of each diffusion model's own sampled
-  rollouts of `n_prompts` held-out prompts (the same keys for every model)."""
+  """{stage: {'kl': {context: [n, 2] per-prompt (KL sum, token count)}, 'reward': mean}} of each
+  diffusion model's own sampled rollouts of `n_prompts` held-out prompts (the same keys for every
+  model); the KL to the AR teacher in both student contexts on the same rollouts."""
   import jax
+  import numpy as np
   from dgr2_jax.stages import opd as opd_stage
   from dgr2_jax.stages import pipeline
   from dgr2_jax.train import opd
   oc = opd_stage.section(config, "opd", opd.opd_config)
   task = opd_stage.task_setup(config, workdir, split)
   prompts = {k: v[:n_prompts] for k, v in task["prompts"].items()}
-  per = max(1, int(oc.prompts_per_step))
+  per, g = max(1, int(oc.prompts_per_step)), int(oc.rollouts_per_prompt)
   out = {}
   for stage in ("cft", "opd", "rl"):
     src = pipeline.model_dir(workdir, stage)
     if not os.path.isdir(src):
       continue
-    _, params, make_batch, loss_fn = opd_stage.distillation(
+    _, params, make_batch, _, kl_fn = opd_stage.distillation(
         config, oc, task, src, opd_stage.teacher_model_dir(oc, workdir))
-    loss_fn = jax.jit(loss_fn)
-    kl_sum, tok_sum, rew_sum, rows = 0.0, 0.0, 0.0, 0
+    kl_fn = jax.jit(kl_fn)
+    kl = {c: [] for c in opd.STUDENT_CONTEXTS}
+    rew_sum, rows = 0.0, 0
     for i in range(0, len(prompts["prompt_ids"]), per):
       chunk = {k: v[i:i + per] for k, v in prompts.items()}
       if len(chunk["prompt_ids"]) < per:  # static shapes: the last partial chunk is dropped
         break
-      batch, m = make_batch(params, chunk, jax.random.PRNGKey(1000 + i))
-      _, aux = loss_fn(params, batch)
-      kl_sum += float(aux["kl_to_teacher"]) * float(aux["tokens"])
-      tok_sum += float(aux["tokens"])
-      n_rows = len(batch["prompt"])
-      rew_sum += m["reward_mean"] * n_rows
-      rows += n_rows
-    out[stage] = (kl_sum / max(tok_sum, 1.0), rew_sum / max(rows, 1))
-    print(f"held-out on-policy, {stage} model: KL to teacher {out[stage][0]:.4f} over "
-          f"{int(tok_sum)} tokens, mean sampled reward {out[stage][1]:.4f} over {rows} rollouts",
-          flush=True)
+      for c in opd.STUDENT_CONTEXTS:   # same key => the same rollouts, scored in each context
+        batch, m = make_batch(params, chunk, jax.random.PRNGKey(1000 + i), c)
+        mask = batch["loss_mask"].reshape(per, g, -1)
+        tok_kl = np.asarray(kl_fn(params, batch)[0]).reshape(per, g, -1)
+        kl[c].append(np.stack([np.where(mask, tok_kl, 0.0).sum((1, 2)), mask.sum((1, 2))], 1))
+      rew_sum += m["reward_mean"] * len(batch["prompt"])
+      rows += len(batch["prompt"])
+    out[stage] = {"kl": {c: np.concatenate(v) for c, v in kl.items()}, "reward": rew_sum / max(rows, 1)}
+    kls = ", ".join(f"{c} {mean_kl(v):.4f}" for c, v in out[stage]["kl"].items())
+    print(f"held-out on-policy, {stage} model: KL to teacher ({kls}; {oc.student_context} is OPD's "
+          f"loss) over {int(out[stage]['kl'][oc.student_context][:, 1].sum())} tokens, mean sampled reward "
+          f"{out[stage]['reward']:.4f} over {rows} rollouts", flush=True)
   return out
+
+
+def mean_kl(per_prompt) -> float:
+  return float(per_prompt[:, 0].sum() / max(per_prompt[:, 1].sum(), 1.0))
+
+
+def paired_ci(a, b, n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
+  """95% bootstrap interval of mean_kl(b) - mean_kl(a), resampling prompts (paired: same prompts)."""
+  import numpy as np
+  rs = np.random.RandomState(seed)
+  d = []
+  for _ in range(n_boot):
+    i = rs.randint(0, len(a), len(a))
+    d.append(mean_kl(b[i]) - mean_kl(a[i]))
+  lo, hi = np.percentile(d, [2.5, 97.5])
+  return float(lo), float(hi)
 
 
 def rl_reward_trend(workdir: str) -> tuple[float, float, int] | None:
@@ -159,8 +179,14 @@ def main(argv):
     checks.append(("#6 CFT valid rate > 0.95", by["cft"]["valid_rate"] > 0.95,
                    f"{by['cft']['valid_rate']:.4f}"))
   if "cft" in onp and "opd" in onp:
-    a, b = onp["cft"][0], onp["opd"][0]
-    checks.append(("#7 OPD lowers held-out KL to the teacher", b < a, f"{a:.4f} -> {b:.4f}"))
+    from dgr2_jax.stages import opd as opd_stage
+    from dgr2_jax.train import opd
+    ctx = opd_stage.section(config, "opd", opd.opd_config).student_context
+    a, b = onp["cft"]["kl"][ctx], onp["opd"]["kl"][ctx]
+    lo, hi = paired_ci(a, b)
+    checks.append((f"#7 OPD lowers held-out KL to the teacher (its loss, {ctx} context)",
+                   mean_kl(b) < mean_kl(a),
+                   f"{mean_kl(a):.4f} -> {mean_kl(b):.4f} (paired 95% CI of the change [{lo:+.4f}, {hi:+.4f}])"))
   if "cft" in by and "cft_opd" in by:
     a, b = by["cft"]["recall1"], by["cft_opd"]["recall1"]
     checks.append(("#7 OPD does not lower Recall@1", b >= a, f"{a:.4f} -> {b:.4f}"))
@@ -169,7 +195,7 @@ def main(argv):
           f"{trend[0]:.4f} -> {trend[1]:.4f}")
   start = "opd" if "opd" in onp else "cft"
   if "rl" in onp and start in onp:
-    a, b = onp[start][1], onp["rl"][1]
+    a, b = onp[start]["reward"], onp["rl"]["reward"]
     checks.append((f"#7 RL raises the held-out mean reward of its sampled rollouts ({start} -> rl)",
                    b > a, f"{a:.4f} -> {b:.4f}"))
   last = rows[-1] if rows else None

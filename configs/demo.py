@@ -74,10 +74,11 @@ def get_config(arg: str = ""):
   c.eval.batch_size = 32
   c.cft.epochs = 0
   c.cft.steps = 400
-  c.opd.prompts_per_step = 4
+  # OPD: 32 steps of 8 prompts x 4 rollouts at lr 3e-5 (README: held-out KL of the settings tried).
+  c.opd.prompts_per_step = 8
   c.opd.rollouts_per_prompt = 4
-  c.opd.steps = 16
-  c.opd.lr = 1e-4
+  c.opd.steps = 32
+  c.opd.lr = 3e-5
   c.rl.steps = 16
   c.rl.group_size = 4
   c.rl.prompts_per_step = 4

@@ -52,6 +52,7 @@ TOO_LONG = ("drop", "truncate_reasoning")
 ACCEPT = ("top1", "promote")
 LOSS_WEIGHTINGS = ("1/t", "none")  # dgr2_jax.train.cft.WEIGHTINGS
 OPD_TEACHERS = ("ar", "self_tau1")  # dgr2_jax.train.opd.TEACHERS
+OPD_STUDENT_CONTEXTS = ("prefix", "replay")  # dgr2_jax.train.opd.STUDENT_CONTEXTS
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("cosine", "constant")
 
@@ -254,6 +255,10 @@ def validate(config, workdir: str | None) -> None:
     _positive_int(c, "opd", "rollouts_per_prompt")
     _positive_int(c, "opd", "prompts_per_step")
     _one_of(c, "opd", "teacher", OPD_TEACHERS)
+    if "student_context" in c.opd:
+      _one_of(c, "opd", "student_context", OPD_STUDENT_CONTEXTS)
+      if c.opd.teacher == "self_tau1" and c.opd.student_context != "replay":
+        _fail("opd.student_context", "must be 'replay' with opd.teacher='self_tau1'")
     if float(c.opd.lr) <= 0:
       _fail("opd.lr", f"must be > 0, got {c.opd.lr}")
   if "rl" in c:

@@ -133,3 +133,22 @@ def test_build_segments_handcrafted_schedule():
   np.testing.assert_array_equal(merged["seg_tokens"][0, 2], [m, m, m, m])    # steps 2+3: canvas of step 2
   np.testing.assert_array_equal(merged["seg_tokens"][0, 3], [20, m, 22, m])  # step 4
   assert not merged["exact"].any()
+
+
+def test_segment_attention_equals_dense_mask(tiny_lm):
+  # qwen3.segment_attention (what every scorer uses) against the plain [N,N]-masked softmax, with
+  # left-padded prompts and blocks holding different numbers of canvases.
+  cfg, params = tiny_lm
+  bs, r = 4, 12
+  cfg = cfg.as_block_diffusion(bs, 63)
+  batch = _batch(np.random.RandomState(3))
+  rs = np.random.RandomState(4)
+  seg_block = np.array([0, 0, 0, 1, 2, 2])
+  seg_tokens = jnp.asarray(rs.randint(6, 64, (3, len(seg_block), bs)), jnp.int32)
+  pred_seg = jnp.asarray(rs.randint(0, len(seg_block), (3, r)), jnp.int32)
+  args = (cfg, params, batch["prompt_ids"], batch["prompt_len"], jnp.asarray(batch["response_ids"]), seg_tokens,
+          seg_block, pred_seg, bs)
+  seg = np.asarray(streams.response_predictions(*args))
+  dense = np.asarray(streams.response_predictions(*args, dense_mask=True))
+  np.testing.assert_allclose(seg, dense, atol=1e-5, rtol=1e-5)
+  assert np.abs(seg).max() > 1.0

@@ -96,6 +96,8 @@ def test_paper_hyper_parameters():
     ({"rl.group_size": 1}, "config.rl.group_size", ValueError),
     ({"rl.clip_eps": 0.0}, "config.rl.clip_eps", ValueError),
     ({"opd.teacher": "gpt"}, "config.opd.teacher", ValueError),
+    ({"opd.student_context": "future"}, "config.opd.student_context", ValueError),
+    ({"opd.teacher": "self_tau1", "opd.student_context": "prefix"}, "config.opd.student_context", ValueError),
     ({"opd.init_from": "/nonexistent"}, "config.opd.init_from", FileNotFoundError),
     ({"bench.thresholds": (0.9, 1.5)}, "config.bench.thresholds", ValueError),
     ({"bench.block_sizes": (32, 40)}, "config.bench.block_sizes", ValueError),
@@ -141,6 +143,7 @@ def test_known_values_match_the_packages():
   from dgr2_jax.train import cft, opd
   assert set(main_lib.LOSS_WEIGHTINGS) == set(cft.WEIGHTINGS)
   assert set(main_lib.OPD_TEACHERS) == set(opd.TEACHERS)
+  assert set(main_lib.OPD_STUDENT_CONTEXTS) == set(opd.STUDENT_CONTEXTS)
 
 
 def test_variants():

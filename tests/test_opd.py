@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from dgr2_jax.decode import sampler
-from dgr2_jax.model import qwen3
+from dgr2_jax.model import masks, qwen3
 from dgr2_jax.train import opd, replay, rollouts
 from dgr2_jax.train import config as train_config_lib
 
@@ -119,6 +119,46 @@ def test_self_tau1_teacher_is_student_on_serial_trajectories(setup):
       assert kl < 1e-5
     else:  # parallel commits: the serial teacher saw more context on some tokens
       assert (serial >= 0).sum() == (roll["commit_step"] >= 0).sum() and kl > 1e-4
+
+
+def test_prefix_context_is_the_decoder_on_left_to_right_canvases(setup):
+  # The paper's student conditional pi(. | P, o_<t): token t scored on the canvas of its block with
+  # exactly the tokens left of t visible. Reference: the decoder's own cache path
+  # (prefill, clean K/V writes, one window forward per canvas), independent of the replay layout.
+  cfg, params, _, toks, lens = setup
+  bs = 4
+  bcfg = cfg.as_block_diffusion(bs, 63)
+  roll = rollouts.sample(bcfg, params, toks, lens, _dc(bs, 0.3), jax.random.PRNGKey(9), 1)
+  order = rollouts.left_to_right_commit_steps(roll["commit_step"])
+  assert (roll["commit_step"] != order).any()   # the rollout itself committed in parallel
+  seg = rollouts.replay_inputs(roll, bs, 63, order)
+  assert seg["exact"].all()
+  logits = np.asarray(replay.replay_logits(bcfg, params, toks, lens, {k: seg[k] for k in rollouts.SEGMENT_KEYS}, bs))
+  p, clean = toks.shape[1], seg["clean"]
+  s = p + R
+  ids, valid, pos = (masks.slot_block_ids(p, s, bs), masks.left_pad_valid(lens, p, s),
+                     masks.left_pad_positions(lens, p, s))
+  lg, cache = sampler.window_forward(bcfg, params, jnp.asarray(toks), 0, qwen3.init_cache(bcfg, len(toks), s),
+                                     ids, valid, pos)
+  carry = np.asarray(lg[:, -1])
+  checked = 0
+  for j in range(R // bs):
+    for i in range(bs):
+      t = j * bs + i
+      if i == 0:
+        ref = carry
+      else:
+        canvas = np.array(clean[:, j * bs:(j + 1) * bs])
+        canvas[:, i:] = 63
+        lg_c, _ = sampler.window_forward(bcfg, params, jnp.asarray(canvas), p + j * bs, cache, ids, valid, pos)
+        ref = np.asarray(lg_c[:, i - 1])
+      m = roll["commit_step"][:, t] >= 0
+      np.testing.assert_allclose(logits[m, t], ref[m], atol=1e-5, rtol=1e-5)
+      checked += m.sum()
+    lg_b, cache = sampler.window_forward(bcfg, params, jnp.asarray(clean[:, j * bs:(j + 1) * bs]), p + j * bs,
+                                         cache, ids, valid, pos)
+    carry = np.asarray(lg_b[:, -1])
+  assert checked >= 20
 
 
 def test_opd_updates_lower_kl_to_teacher(setup):

@@ -83,12 +83,45 @@ class Attention(nn.Module):
       new_cache = {"k": kk, "v": v}
 
     qg = q.reshape(b, t, k, h // k, d)  # [B,T,K,G,D]
+    if isinstance(mask, dict):  # the multi-stream layout of model/streams.py
+      out = segment_attention(qg, kk.astype(qg.dtype), v.astype(x.dtype), mask).reshape(b, t, h * d)
+      return _dense(c.hidden_size, "o_proj", c, c.attention_bias)(out), new_cache
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, kk.astype(qg.dtype),
                         preferred_element_type=jnp.float32) * (d ** -0.5)  # [B,K,G,T,S]
     scores = jnp.where(mask[:, None, None, :, :], scores, _NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(x.dtype)).reshape(b, t, h * d)
     return _dense(c.hidden_size, "o_proj", c, c.attention_bias)(out), new_cache
+
+
+def segment_attention(q, k, v, mask: dict):
+  """Attention over `[context (C) | S segments of B]` without the dense [N, N] mask.
+
+  q [b,N,K,G,D], k/v [b,N,K,D]. mask["context"] [b,C,C]: what context queries see (context keys
+  only). mask["segment_context"] [b,S,C]: the context keys segment s sees; a segment's queries
+  also see every key of their own segment and nothing of the other segments. The same function
+  as the dense masked softmax on the valid queries, at O(N (C + B)) instead of O(N^2): replay
+  with one canvas per denoising step stays cheap when a block used many steps.
+  """
+  b, n, kh, g, d = q.shape
+  c, s = mask["context"].shape[-1], mask["segment_context"].shape[1]
+  scale = d ** -0.5
+  qc, kc, vc = q[:, :c], k[:, :c], v[:, :c]
+  sc = jnp.einsum("btkgd,bskd->bkgts", qc, kc, preferred_element_type=jnp.float32) * scale  # [b,K,G,C,C]
+  pc = jax.nn.softmax(jnp.where(mask["context"][:, None, None], sc, _NEG), axis=-1).astype(v.dtype)
+  out_c = jnp.einsum("bkgts,bskd->btkgd", pc, vc)                                       # [b,C,K,G,D]
+  if s == 0:  # block size 1: no segments
+    return out_c
+  bs = (n - c) // s
+  qn = q[:, c:].reshape(b, s, bs, kh, g, d)
+  kn, vn = k[:, c:].reshape(b, s, bs, kh, d), v[:, c:].reshape(b, s, bs, kh, d)
+  s_ctx = jnp.einsum("bntkgd,bskd->bnkgts", qn, kc, preferred_element_type=jnp.float32) * scale  # [b,S,K,G,B,C]
+  s_ctx = jnp.where(mask["segment_context"][:, :, None, None, None, :], s_ctx, _NEG)
+  s_own = jnp.einsum("bntkgd,bnskd->bnkgts", qn, kn, preferred_element_type=jnp.float32) * scale  # [b,S,K,G,B,B]
+  pn = jax.nn.softmax(jnp.concatenate([s_ctx, s_own], axis=-1), axis=-1).astype(v.dtype)
+  out_n = (jnp.einsum("bnkgts,bskd->bntkgd", pn[..., :c], vc)
+           + jnp.einsum("bnkgts,bnskd->bntkgd", pn[..., c:], vn))                        # [b,S,B,K,G,D]
+  return jnp.concatenate([out_c, out_n.reshape(b, s * bs, kh, g, d)], axis=1)
 
 
 class MLP(nn.Module):

@@ -33,11 +33,14 @@ def stream_layout(prompt_slots: int, response_len: int, block_size: int, seg_blo
 
 
 def response_predictions(config: Qwen3Config, params, prompt, prompt_len, clean, seg_tokens,
-                         seg_block: np.ndarray, pred_seg, block_size: int | None = None):
+                         seg_block: np.ndarray, pred_seg, block_size: int | None = None,
+                         dense_mask: bool = False):
   """f32 logits [b, R, V]: the model's distribution for each response index.
 
   prompt [b,P] left-padded; prompt_len [b]; clean [b,R]; seg_tokens [b,G,B]; seg_block [G] static
   (block of each segment); pred_seg [b,R] int (segment predicting r; ignored when r % B == 0).
+  `dense_mask` = the plain [N,N]-masked attention instead of `qwen3.segment_attention` (the same
+  function; kept as the reference and for benchmarks/replay_cost.py).
   """
   bsz = block_size or config.block_size
   b, p = prompt.shape
@@ -51,8 +54,20 @@ def response_predictions(config: Qwen3Config, params, prompt, prompt_len, clean,
   prompt_pos = masks.left_pad_positions(prompt_len, p, p)
   resp_pos = jnp.asarray(prompt_len)[:, None] + jnp.asarray(lay["resp_index"][p:])[None, :]
   positions = jnp.concatenate([prompt_pos, resp_pos], axis=1)
-  mask = masks.stream_mask(lay["kind"], lay["block"], lay["seg"], lay["kind"], lay["block"], lay["seg"],
-                           key_valid)                                    # [b,N,N]
+  # The dense [N,N] mask of this layout is masks.stream_mask; attention takes it in two pieces
+  # (qwen3.segment_attention): context x context, and segment x context (+ each segment itself).
+  c = p + r
+  ctx = slice(0, c)
+  if dense_mask:
+    mask = masks.stream_mask(lay["kind"], lay["block"], lay["seg"], lay["kind"], lay["block"], lay["seg"],
+                             key_valid)                                                      # [b,N,N]
+  else:
+    mask = {"context": masks.stream_mask(lay["kind"][ctx], lay["block"][ctx], lay["seg"][ctx],
+                                         lay["kind"][ctx], lay["block"][ctx], lay["seg"][ctx],
+                                         key_valid[:, ctx]),                                        # [b,C,C]
+            "segment_context": masks.stream_mask(np.full(g, masks.NOISY), np.asarray(seg_block, int),
+                                                 np.arange(g), lay["kind"][ctx], lay["block"][ctx],
+                                                 lay["seg"][ctx], key_valid[:, ctx])}               # [b,G,C]
   hidden, _ = qwen3.forward(config, params, tokens, positions, mask, return_hidden=True)  # [b,N,E]
   ridx = jnp.arange(r)[None, :]
   in_block = ridx % bsz

@@ -125,11 +125,13 @@ def teacher_model_dir(oc, workdir: str) -> str:
 
 
 def distillation(config, oc, task: dict, src: str, teacher_dir: str):
-  """(model config, student params, make_batch, loss_fn) of on-policy distillation.
+  """(model config, student params, make_batch, loss_fn, token_kl_fn) of on-policy distillation.
 
-  `make_batch(params, prompts, key) -> (batch, rollout metrics)` decodes `oc.rollouts_per_prompt`
-  rollouts per prompt from `params` and caches the teacher's distributions on them;
-  `loss_fn(params, batch) -> (KL, metrics)` is `train.opd.opd_loss`. Shared by the stage and by
+  `make_batch(params, prompts, key[, student_context]) -> (batch, rollout metrics)` decodes
+  `oc.rollouts_per_prompt` rollouts per prompt from `params`, builds the student's canvases for
+  `oc.student_context` (or the one given) and caches the teacher's distributions on them;
+  `loss_fn(params, batch) -> (KL, metrics)` is `train.opd.opd_loss`; `token_kl_fn(params, batch)`
+  is `train.opd.token_kl` (per position). Shared by the stage and by
   `benchmarks/recipe_figures.py` (held-out KL before and after OPD).
   """
   from dgr2_jax.model import checkpoint as model_ckpt
@@ -154,9 +156,18 @@ def distillation(config, oc, task: dict, src: str, teacher_dir: str):
                                       mask_id=mask_id))
   tparams = jax.device_put(tparams)
 
-  def make_batch(p, prompts, key):
+  if oc.student_context not in opd.STUDENT_CONTEXTS:
+    raise ValueError(f"config.opd.student_context must be one of {opd.STUDENT_CONTEXTS}, got "
+                     f"{oc.student_context!r}")
+  if oc.teacher == "self_tau1" and oc.student_context != "replay":
+    raise ValueError("config.opd.teacher='self_tau1' needs config.opd.student_context='replay' (on "
+                     "left-to-right canvases the tau=1 teacher is the student itself)")
+
+  def make_batch(p, prompts, key, student_context=None):
     roll = rollouts.sample(student_cfg, p, prompts["prompt_ids"], prompts["prompt_len"], dc, key, g)
-    seg = rollouts.replay_inputs(roll, bs, mask_id, max_segments_per_block=int(oc.replay_max_segments))
+    prefix = (student_context or oc.student_context) == "prefix"
+    order = rollouts.left_to_right_commit_steps(roll["commit_step"]) if prefix else None
+    seg = rollouts.replay_inputs(roll, bs, mask_id, order, max_segments_per_block=int(oc.replay_max_segments))
     if oc.teacher == "ar":
       cache = score(tparams, roll["prompt_ids"], roll["prompt_len"], seg["clean"])
     else:
@@ -169,8 +180,9 @@ def distillation(config, oc, task: dict, src: str, teacher_dir: str):
                  **{n: np.asarray(v) for n, v in cache.items()})
     return batch, rollout_metrics(roll, score_rollouts(roll, prompts, g, task, alpha=0.2), seg)
 
-  loss_fn = functools.partial(opd.opd_loss, student_cfg, block_size=bs, teacher_top_k=k, mask_id=mask_id)
-  return mc, params, make_batch, loss_fn
+  kw = dict(block_size=bs, teacher_top_k=k, mask_id=mask_id)
+  return (mc, params, make_batch, functools.partial(opd.opd_loss, student_cfg, **kw),
+          functools.partial(opd.token_kl, student_cfg, **kw))
 
 
 def run(config, workdir: str) -> str:
@@ -194,7 +206,7 @@ def run(config, workdir: str) -> str:
     return out
   train_dir = sft_stage.prepare_train_dir(out, chash)
   task = task_setup(config, workdir)
-  mc, params, make_batch, loss_fn = distillation(config, oc, task, src, teacher_dir)
+  mc, params, make_batch, loss_fn, _ = distillation(config, oc, task, src, teacher_dir)
   n = len(task["prompts"]["prompt_ids"])
   pps, g = int(oc.prompts_per_step), int(oc.rollouts_per_prompt)
   steps = int(oc.steps) or max(1, int(oc.epochs) * n // pps)

@@ -20,6 +20,23 @@ Loss = sum over committed positions at or before the first EOS (`loss_mask`) of 
 by their count in the batch (token-level mean; the count is metrics["denominator"], so gradient
 accumulation equals the big batch).
 
+Student context (`opd.student_context`): the canvas the student's distribution at r is read from.
+  * 'replay' (default; the issue's and ../shared/design's contract): the canvas of the denoising
+    step that committed r, rebuilt from the rollout (`rollouts.replay_inputs`). This is the
+    distribution the decoder actually drew token r from.
+  * 'prefix': the canvas with exactly the tokens left of r in its block visible and the rest
+    masked (`rollouts.left_to_right_commit_steps`), the block-diffusion model's pi(. | P, o_<r):
+    the conditioning the paper's formula writes for both sides.
+  They differ where the rollout committed out of order. Under 'replay' a token committed before
+  its left neighbours is scored without them, while the teacher sees them, and those neighbours
+  were often chosen afterwards to agree with it (e.g. the item SID after '#k' committed before
+  the number k). The teacher's target then echoes the student's own sample, and the teacher's
+  doubt lands on the neighbour, which the student scores with the answer in view. 'prefix'
+  gives both sides the same conditioning but trains a canvas the parallel decoder does not
+  visit. In the demo neither setting lowers the held-out KL reliably (README). Cost: 'prefix' needs
+  one canvas per token (`replay_max_segments` >= block size to be exact; fewer merges neighbouring
+  tokens, see train/replay.py); benchmarks/replay_cost.py times canvases per block.
+
 Variant teacher 'self_tau1' (more decode compute as the teacher, a latency lever): the teacher is
 a frozen copy of the student's starting diffusion model. For each student rollout we build the
 tau = 1.0 trajectory that commits the SAME tokens in the SAME order, one token per step (tokens the
@@ -41,6 +58,7 @@ from dgr2_jax.train import replay
 
 _NEG = -1e30
 TEACHERS = ("ar", "self_tau1")
+STUDENT_CONTEXTS = ("prefix", "replay")
 CACHE_KEYS = {0: ("teacher_logp",), 1: ("teacher_topk_logp", "teacher_topk_idx", "teacher_rest_logp")}
 
 
@@ -50,6 +68,7 @@ def opd_config() -> ml_collections.ConfigDict:
   c.init_from = ""             # '' => the previous model stage's dir (workdir/cft/model normally)
   c.teacher_dir = ""           # '' => workdir/sft/model (the AR teacher); unused for 'self_tau1'
   c.teacher = "ar"             # 'ar' | 'self_tau1' (see dgr2_jax/train/opd.py)
+  c.student_context = "replay"  # 'replay' (decode-time canvases) | 'prefix' (P, o_<t; see train/opd.py)
   c.rollouts_per_prompt = 4    # G'
   c.lr = 1e-6                  # constant
   c.prompts_per_step = 128
@@ -120,11 +139,9 @@ def kl_from_cache(cache: dict, student_logp) -> jax.Array:
   return kl + jnp.where(pt_rest > 0, pt_rest * (lt_rest - ls_rest), 0.0)
 
 
-def opd_loss(student_config, params, batch: dict, rng=None, *, block_size: int, teacher_top_k: int = 0,
-             mask_id=None) -> tuple[jax.Array, dict]:
-  """-> (loss, metrics). batch: prompt [b,P], prompt_len [b], clean [b,R], seg_tokens, pred_seg,
-  loss_mask [b,R] and the teacher cache (keys of `cache_from_logprobs` for `teacher_top_k`)."""
-  del rng
+def token_kl(student_config, params, batch: dict, *, block_size: int, teacher_top_k: int = 0, mask_id=None):
+  """(KL(teacher || student) [b,R] at every response index, student log-probs [b,R,V]); the batch as
+  in `opd_loss`. Positions outside `loss_mask` hold garbage."""
   need = CACHE_KEYS[int(teacher_top_k > 0)]
   missing = [k for k in need if k not in batch]
   if missing:
@@ -133,7 +150,16 @@ def opd_loss(student_config, params, batch: dict, rng=None, *, block_size: int, 
   logits = replay.replay_logits(student_config, params, batch["prompt"], batch["prompt_len"],
                                 {k: batch[k] for k in ("clean", "seg_tokens", "pred_seg")}, block_size)
   ls = log_dist(logits, mask_id)
-  kl = kl_from_cache({k: batch[k] for k in need}, ls)
+  return kl_from_cache({k: batch[k] for k in need}, ls), ls
+
+
+def opd_loss(student_config, params, batch: dict, rng=None, *, block_size: int, teacher_top_k: int = 0,
+             mask_id=None) -> tuple[jax.Array, dict]:
+  """-> (loss, metrics). batch: prompt [b,P], prompt_len [b], clean [b,R], seg_tokens, pred_seg,
+  loss_mask [b,R] and the teacher cache (keys of `cache_from_logprobs` for `teacher_top_k`)."""
+  del rng
+  kl, ls = token_kl(student_config, params, batch, block_size=block_size, teacher_top_k=teacher_top_k,
+                    mask_id=mask_id)
   m = batch["loss_mask"].astype(jnp.float32)
   denom = jnp.sum(m)
   loss = jnp.sum(m * kl) / jnp.maximum(denom, 1.0)

@@ -110,6 +110,17 @@ def serialize_commit_steps(commit_step: np.ndarray, block_size: int) -> np.ndarr
   return out
 
 
+def left_to_right_commit_steps(commit_step: np.ndarray) -> np.ndarray:
+  """Every committed token on its own step, in position order (-1 stays -1).
+
+  Replayed with these steps, token r is scored on the canvas where exactly the tokens left of r in
+  its block are visible and the rest are masked: the block-diffusion model's next-token
+  distribution given P, o_<r, the conditioning of the paper's OPD formula (train/opd.py).
+  """
+  r = commit_step.shape[1]
+  return np.where(commit_step >= 0, np.arange(r)[None], -1).astype(commit_step.dtype)
+
+
 def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
                     make_batch: Callable[[dict, dict, jax.Array], tuple[dict, dict]],
                     prompt_iter, mesh=None, desc: str = "on-policy") -> dict:
