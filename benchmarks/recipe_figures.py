@@ -89,6 +89,8 @@ def heldout_on_policy(config, workdir: str, split: str, n_prompts: int) -> dict:
   from dgr2_jax.stages import pipeline
   from dgr2_jax.train import opd
   oc = opd_stage.section(config, "opd", opd.opd_config)
+  with oc.unlocked():
+    oc.replay_max_segments = 0   # exact canvases for both contexts ('prefix' needs one per token)
   task = opd_stage.task_setup(config, workdir, split)
   prompts = {k: v[:n_prompts] for k, v in task["prompts"].items()}
   per, g = max(1, int(oc.prompts_per_step)), int(oc.rollouts_per_prompt)

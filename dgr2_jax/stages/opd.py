@@ -10,9 +10,11 @@ tensorboard) and DONE.json.
 Training runs through `rollouts.train_on_policy` (the on-policy twin of `loop.train`): per step,
 `opd.prompts_per_step` prompts x `opd.rollouts_per_prompt` rollouts are decoded from the CURRENT
 params with `config.decode` (temperature `opd.temperature`), the teacher scores them once (its
-cache goes into the batch), and one optimizer step of `train.opd.opd_loss` follows. The train
-config is `config.train` with batch_size = rows, total_steps = `opd.steps` (0: `opd.epochs`
-passes over the prompts), a constant lr `opd.lr` without warmup. Resumes like the SFT stage.
+cache goes into the batch), and one optimizer step of `train.opd.opd_loss` follows. The student
+is scored on the canvases `opd.student_context` names (train/opd.py: 'replay', the decode-time
+canvas, or 'prefix', P and o_<t). The train config is `config.train` with batch_size = rows,
+total_steps = `opd.steps` (0: `opd.epochs` passes over the prompts), a constant lr `opd.lr`
+without warmup. Resumes like the SFT stage.
 Metrics per step: loss (= KL to the teacher), top1_agreement, reward mean/std, valid_rate,
 overlong_rate, mean_nfe, mean_response_tokens, replay_exact, rollout_time_s, update_time_s.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 
 import jax
@@ -162,6 +165,11 @@ def distillation(config, oc, task: dict, src: str, teacher_dir: str):
   if oc.teacher == "self_tau1" and oc.student_context != "replay":
     raise ValueError("config.opd.teacher='self_tau1' needs config.opd.student_context='replay' (on "
                      "left-to-right canvases the tau=1 teacher is the student itself)")
+
+  if oc.student_context == "prefix" and 0 < int(oc.replay_max_segments) < bs:
+    logging.warning("opd.student_context='prefix' with replay_max_segments=%d < block size %d: "
+                    "neighbouring tokens share a canvas (inexact, replay_exact=0); set it to 0 for "
+                    "the exact P, o_<t", int(oc.replay_max_segments), bs)
 
   def make_batch(p, prompts, key, student_context=None):
     roll = rollouts.sample(student_cfg, p, prompts["prompt_ids"], prompts["prompt_len"], dc, key, g)
