@@ -11,8 +11,10 @@
 3. On-policy figures on held-out prompts, for the CFT, OPD and RL models alike: each decodes
    `--kl_prompts` prompts of `--split` with the rollout decoder (`config.opd.rollouts_per_prompt`
    samples each at `config.opd.temperature`; the same PRNG keys for every model). The AR teacher
-   scores them and `train.opd.opd_loss` averages KL(teacher || student) over the committed tokens,
-   exactly as in training; and every sample gets its GRPO reward (`train.grpo.rewards`).
+   scores them and KL(teacher || student) (`train.opd.token_kl`, OPD's per-token loss) is averaged
+   over the committed tokens, on exact canvases in both student contexts ('replay', 'prefix';
+   train/opd.py) of the same rollouts, with a paired bootstrap CI of the OPD change; and every
+   sample gets its GRPO reward (`train.grpo.rewards`).
    "OPD lowers the KL" compares the OPD model with the CFT model; "RL raises the mean reward over
    its run" compares the RL model with the model it started from (OPD, or CFT under
    `rl_no_opd`): the expected reward of the sampling policy is what RL maximises. The training
@@ -99,23 +101,24 @@ def heldout_on_policy(config, workdir: str, split: str, n_prompts: int) -> dict:
     src = pipeline.model_dir(workdir, stage)
     if not os.path.isdir(src):
       continue
-    _, params, make_batch, _, kl_fn = opd_stage.distillation(
-        config, oc, task, src, opd_stage.teacher_model_dir(oc, workdir))
-    kl_fn = jax.jit(kl_fn)
+    d = opd_stage.distillation(config, oc, task, src, opd_stage.teacher_model_dir(oc, workdir))
+    kl_fn = jax.jit(d.token_kl_fn)
     kl = {c: [] for c in opd.STUDENT_CONTEXTS}
-    rew_sum, rows = 0.0, 0
+    rewards = []
     for i in range(0, len(prompts["prompt_ids"]), per):
       chunk = {k: v[i:i + per] for k, v in prompts.items()}
       if len(chunk["prompt_ids"]) < per:  # static shapes: the last partial chunk is dropped
         break
-      for c in opd.STUDENT_CONTEXTS:   # same key => the same rollouts, scored in each context
-        batch, m = make_batch(params, chunk, jax.random.PRNGKey(1000 + i), c)
-        mask = batch["loss_mask"].reshape(per, g, -1)
-        tok_kl = np.asarray(kl_fn(params, batch)[0]).reshape(per, g, -1)
+      roll, scored = d.sample(d.params, chunk, jax.random.PRNGKey(1000 + i))
+      rewards.append(scored["rewards"])
+      mask = roll["loss_mask"].reshape(per, g, -1)
+      for c in opd.STUDENT_CONTEXTS:   # the same rollouts, scored in each context
+        batch, _ = d.batch(roll, c)
+        tok_kl = np.asarray(kl_fn(d.params, batch)[0]).reshape(per, g, -1)
         kl[c].append(np.stack([np.where(mask, tok_kl, 0.0).sum((1, 2)), mask.sum((1, 2))], 1))
-      rew_sum += m["reward_mean"] * len(batch["prompt"])
-      rows += len(batch["prompt"])
-    out[stage] = {"kl": {c: np.concatenate(v) for c, v in kl.items()}, "reward": rew_sum / max(rows, 1)}
+    rewards = np.concatenate(rewards)
+    rows = len(rewards)
+    out[stage] = {"kl": {c: np.concatenate(v) for c, v in kl.items()}, "reward": float(rewards.mean())}
     kls = ", ".join(f"{c} {mean_kl(v):.4f}" for c, v in out[stage]["kl"].items())
     print(f"held-out on-policy, {stage} model: KL to teacher ({kls}; {oc.student_context} is OPD's "
           f"loss) over {int(out[stage]['kl'][oc.student_context][:, 1].sum())} tokens, mean sampled reward "

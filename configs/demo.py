@@ -84,7 +84,7 @@ def get_config(arg: str = ""):
   c.rl.prompts_per_step = 4
   c.rl.lr = 1e-4
   # At most 8 replay canvases per block: exact, since decode.steps_per_block = 8 bounds every
-  # block's steps; 32 canvases (the block size) would need ~29 GB for 16 rollouts.
+  # block's steps, at ~1/4 the scoring time of 32 (benchmarks/replay_cost.py).
   c.opd.replay_max_segments = 8
   c.rl.replay_max_segments = 8
   c.bench.block_sizes = (c.cft.block_size,)

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import logging
 import os
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -127,16 +128,33 @@ def teacher_model_dir(oc, workdir: str) -> str:
   return "" if oc.teacher == "self_tau1" else (oc.teacher_dir or pipeline.model_dir(workdir, "sft"))
 
 
-def distillation(config, oc, task: dict, src: str, teacher_dir: str):
-  """(model config, student params, make_batch, loss_fn, token_kl_fn) of on-policy distillation.
+@dataclasses.dataclass(frozen=True)
+class Distillation:
+  """On-policy distillation of one student, shared by the stage and `benchmarks/recipe_figures.py`.
 
-  `make_batch(params, prompts, key[, student_context]) -> (batch, rollout metrics)` decodes
-  `oc.rollouts_per_prompt` rollouts per prompt from `params`, builds the student's canvases for
-  `oc.student_context` (or the one given) and caches the teacher's distributions on them;
+  `sample(params, prompts, key) -> (rollouts, scored)` decodes `oc.rollouts_per_prompt` rollouts
+  per prompt and scores their rewards (`score_rollouts`); `batch(rollouts, student_context=None)
+  -> (batch, segments)` builds the student's canvases for `oc.student_context` (or the one given)
+  and caches the teacher's distributions on them; `make_batch(params, prompts, key) -> (batch,
+  metrics)` is the two in a row (what `rollouts.train_on_policy` calls).
   `loss_fn(params, batch) -> (KL, metrics)` is `train.opd.opd_loss`; `token_kl_fn(params, batch)`
-  is `train.opd.token_kl` (per position). Shared by the stage and by
-  `benchmarks/recipe_figures.py` (held-out KL before and after OPD).
+  is `train.opd.token_kl` (per position).
   """
+  model_config: Any
+  params: Any
+  sample: Callable
+  batch: Callable
+  loss_fn: Callable
+  token_kl_fn: Callable
+
+  def make_batch(self, params, prompts, key):
+    roll, scored = self.sample(params, prompts, key)
+    batch, seg = self.batch(roll)
+    return batch, rollout_metrics(roll, scored, seg)
+
+
+def distillation(config, oc, task: dict, src: str, teacher_dir: str) -> Distillation:
+  """The `Distillation` of the student in `src` against `oc.teacher`."""
   from dgr2_jax.model import checkpoint as model_ckpt
   from dgr2_jax.train import opd, rollouts
   mc, params = load_policy(config, src)
@@ -171,8 +189,11 @@ def distillation(config, oc, task: dict, src: str, teacher_dir: str):
                     "neighbouring tokens share a canvas (inexact, replay_exact=0); set it to 0 for "
                     "the exact P, o_<t", int(oc.replay_max_segments), bs)
 
-  def make_batch(p, prompts, key, student_context=None):
+  def sample(p, prompts, key):
     roll = rollouts.sample(student_cfg, p, prompts["prompt_ids"], prompts["prompt_len"], dc, key, g)
+    return roll, score_rollouts(roll, prompts, g, task, alpha=0.2)
+
+  def batch(roll, student_context=None):
     prefix = (student_context or oc.student_context) == "prefix"
     order = rollouts.left_to_right_commit_steps(roll["commit_step"]) if prefix else None
     seg = rollouts.replay_inputs(roll, bs, mask_id, order, max_segments_per_block=int(oc.replay_max_segments))
@@ -183,14 +204,13 @@ def distillation(config, oc, task: dict, src: str, teacher_dir: str):
                                     max_segments_per_block=int(oc.replay_max_segments))
       cache = score(tparams, roll["prompt_ids"], roll["prompt_len"],
                     {n: tseg[n] for n in rollouts.SEGMENT_KEYS})
-    batch = dict(prompt=roll["prompt_ids"], prompt_len=roll["prompt_len"], loss_mask=roll["loss_mask"],
-                 **{n: seg[n] for n in rollouts.SEGMENT_KEYS},
-                 **{n: np.asarray(v) for n, v in cache.items()})
-    return batch, rollout_metrics(roll, score_rollouts(roll, prompts, g, task, alpha=0.2), seg)
+    return dict(prompt=roll["prompt_ids"], prompt_len=roll["prompt_len"], loss_mask=roll["loss_mask"],
+                **{n: seg[n] for n in rollouts.SEGMENT_KEYS},
+                **{n: np.asarray(v) for n, v in cache.items()}), seg
 
   kw = dict(block_size=bs, teacher_top_k=k, mask_id=mask_id)
-  return (mc, params, make_batch, functools.partial(opd.opd_loss, student_cfg, **kw),
-          functools.partial(opd.token_kl, student_cfg, **kw))
+  return Distillation(mc, params, sample, batch, functools.partial(opd.opd_loss, student_cfg, **kw),
+                      functools.partial(opd.token_kl, student_cfg, **kw))
 
 
 def run(config, workdir: str) -> str:
@@ -214,17 +234,18 @@ def run(config, workdir: str) -> str:
     return out
   train_dir = sft_stage.prepare_train_dir(out, chash)
   task = task_setup(config, workdir)
-  mc, params, make_batch, loss_fn, _ = distillation(config, oc, task, src, teacher_dir)
+  d = distillation(config, oc, task, src, teacher_dir)
   n = len(task["prompts"]["prompt_ids"])
   pps, g = int(oc.prompts_per_step), int(oc.rollouts_per_prompt)
   steps = int(oc.steps) or max(1, int(oc.epochs) * n // pps)
   tconf = on_policy_config(config, rows=pps * g, steps=steps, lr=oc.lr, grad_accum=oc.grad_accum_steps)
-  state = rollouts.train_on_policy(tconf, train_dir, params=params, loss_fn=loss_fn, make_batch=make_batch,
+  state = rollouts.train_on_policy(tconf, train_dir, params=d.params, loss_fn=d.loss_fn, make_batch=d.make_batch,
                                    prompt_iter=prompt_iterator(task["prompts"], pps, int(config.seed)),
                                    desc=STAGE)
   with common.atomic_dir(out, chash, extra={"steps": steps, "source": src, "teacher": teacher_dir or "self_tau1",
                                             "examples": task["counts"]}) as tmp:
-    model_ckpt.save_model_dir(os.path.join(tmp, "model"), mc, state["params"], tokenizer_src=task["tok_dir"])
+    model_ckpt.save_model_dir(os.path.join(tmp, "model"), d.model_config, state["params"],
+                              tokenizer_src=task["tok_dir"])
     if jax.process_index() == 0:
       os.replace(train_dir, os.path.join(tmp, "train"))
   return out

@@ -34,7 +34,7 @@ Student context (`opd.student_context`): the canvas the student's distribution a
   doubt lands on the neighbour, which the student scores with the answer in view. 'prefix'
   gives both sides the same conditioning but trains a canvas the parallel decoder does not
   visit. In the demo neither setting lowers the held-out KL reliably (README). Cost: 'prefix' needs
-  one canvas per token (`replay_max_segments` >= block size to be exact; fewer merges neighbouring
+  one canvas per token (`replay_max_segments` 0 or >= block size to be exact; fewer merges neighbouring
   tokens, see train/replay.py); benchmarks/replay_cost.py times canvases per block.
 
 Variant teacher 'self_tau1' (more decode compute as the teacher, a latency lever): the teacher is
@@ -77,9 +77,10 @@ def opd_config() -> ml_collections.ConfigDict:
   c.teacher_top_k = 0          # 0 = full-vocabulary teacher cache
   c.temperature = 1.0          # rollout sampling temperature
   c.grad_accum_steps = 1
-  # Replay canvases per block (see train/replay.py): the dense multi-stream attention grows with
-  # (segments x block)^2, so the default bounds it; blocks that used more steps are merged (inexact,
-  # reported as replay_exact). block_size here = always exact.
+  # Replay canvases per block (see train/replay.py): the scorer's cost grows with the canvases
+  # (benchmarks/replay_cost.py), so the default bounds it; blocks that used more steps are merged
+  # (inexact, reported as replay_exact). 0 or block_size = always exact. 8 is exact under the
+  # default decode.steps_per_block = 8.
   c.replay_max_segments = 8
   return c
 
