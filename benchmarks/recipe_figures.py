@@ -102,7 +102,7 @@ def heldout_on_policy(config, workdir: str, split: str, n_prompts: int) -> dict:
     if not os.path.isdir(src):
       continue
     d = opd_stage.distillation(config, oc, task, src, opd_stage.teacher_model_dir(oc, workdir))
-    kl_fn = jax.jit(d.token_kl_fn)
+    kl_fn = d.token_kl_fn
     kl = {c: [] for c in opd.STUDENT_CONTEXTS}
     rewards = []
     for i in range(0, len(prompts["prompt_ids"]), per):

@@ -44,12 +44,12 @@ def test_cft_logits_equal_decoder_cache_path(tiny_lm):
   valid = masks.left_pad_valid(batch["prompt_len"], p, s)
   pos = masks.left_pad_positions(batch["prompt_len"], p, s)
   cache = qwen3.init_cache(cfg, 3, s)
-  lg, cache = sampler.window_forward(cfg, params, jnp.asarray(batch["prompt_ids"]), 0, cache, ids, valid, pos)
+  lg, cache = sampler.window_forward(cfg, params, jnp.asarray(batch["prompt_ids"]), 0, cache, batch["prompt_len"], p, pos)
   carry = lg[:, -1]
   checked = 0
   for j in range(nb):
     canvas = noisy[:, j * bs:(j + 1) * bs]
-    lg_canvas, _ = sampler.window_forward(cfg, params, canvas, p + j * bs, cache, ids, valid, pos)
+    lg_canvas, _ = sampler.window_forward(cfg, params, canvas, p + j * bs, cache, batch["prompt_len"], p, pos)
     dec = jnp.concatenate([carry[:, None], lg_canvas[:, :bs - 1]], axis=1)   # [b,B,V]
     m = np.asarray(masked[:, j * bs:(j + 1) * bs])
     np.testing.assert_allclose(np.asarray(logits[:, j * bs:(j + 1) * bs])[m], np.asarray(dec)[m],
@@ -59,10 +59,10 @@ def test_cft_logits_equal_decoder_cache_path(tiny_lm):
     if j > 0:
       prev = resp[:, (j - 1) * bs:j * bs]
       lg_f, _ = sampler.window_forward(cfg, params, jnp.concatenate([prev, canvas], 1), p + (j - 1) * bs,
-                                       cache, ids, valid, pos)
+                                       cache, batch["prompt_len"], p, pos)
       np.testing.assert_allclose(np.asarray(lg_f[:, bs:]), np.asarray(lg_canvas), atol=1e-5, rtol=1e-5)
     lg_clean, cache = sampler.window_forward(cfg, params, resp[:, j * bs:(j + 1) * bs], p + j * bs, cache,
-                                             ids, valid, pos)
+                                             batch["prompt_len"], p, pos)
     carry = lg_clean[:, -1]
   assert checked >= 8
 
@@ -89,7 +89,7 @@ def test_replay_logprobs_equal_decode_logprobs(tiny_lm, bs, taus):
   mcfg = cfg.as_block_diffusion(bs, 63) if bs > 1 else cfg
   toks, lens = sampler.left_pad(PROMPTS, 9, 0)
   score = jax.jit(lambda prm, seg, t: replay.replay_logprobs(mcfg, prm, toks, lens, seg, bs, temperature=t,
-                                                             top_k=0, top_p=1.0, mask_id=63)[0])
+                                                             top_k=0, top_p=1.0, mask_id=63))
   for tau in taus:
     for temp in (0.0, 1.0):
       dc = sampler.DecodeConfig(block_size=bs, threshold=tau, temperature=temp, max_new_tokens=r, eos_ids=(5,),

@@ -12,9 +12,9 @@ PROMPTS = [[7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [21, 22, 23]
 R = 16
 
 
-def _dc(bs, tau, **kw):
+def _dc(bs, tau, r=R, **kw):
   kw.setdefault("eos_ids", (5,))
-  return sampler.DecodeConfig(block_size=bs, threshold=tau, max_new_tokens=R, mask_token_id=63, pad_id=0, **kw)
+  return sampler.DecodeConfig(block_size=bs, threshold=tau, max_new_tokens=r, mask_token_id=63, pad_id=0, **kw)
 
 
 def _assert_same(out, ref):
@@ -23,25 +23,51 @@ def _assert_same(out, ref):
   np.testing.assert_allclose(out["logprob"], ref["logprob"], atol=1e-5)
   np.testing.assert_array_equal(out["nfe"], ref["nfe"])
   assert out["output_ids"] == ref["output_ids"]
-  assert int(out["steps"]) == ref["steps"]
+  np.testing.assert_array_equal(out["steps"], ref["steps"])
 
 
-@pytest.mark.parametrize("bs", [1, 2, 4, 8])
-def test_while_loop_matches_python_reference(tiny_lm, bs):
+def _block_steps(out, bs):
+  """[rows, blocks] denoising steps each row spent on each block."""
+  cs = out["commit_step"]
+  return np.asarray([[len(np.unique(c[c >= 0])) for c in row.reshape(-1, bs)] for row in cs])
+
+
+@pytest.mark.parametrize("bs,kv_write", [(1, "fused"), (2, "fused"), (2, "separate"), (4, "fused"),
+                                         (4, "separate"), (8, "separate"), (32, "fused"), (32, "separate")])
+def test_while_loop_matches_python_reference(tiny_lm, bs, kv_write):
+  """Greedy and sampled, mixed prompt lengths, an EOS the rows reach at different places; one
+  compilation for every tau; rows progress independently (iterations = the slowest row's forwards,
+  fewer than blocks in lockstep would take)."""
   cfg, params = tiny_lm
-  fn = sampler.compiled_decoder(cfg.as_block_diffusion(bs, 63) if bs > 1 else cfg, bs, R, (5,), 63)
-  taus = (1.0, 0.6, 0.2)
-  multi_commit = False
-  for tau in taus:
-    out = sampler.generate(cfg, params, PROMPTS, _dc(bs, tau))
-    ref = reference.reference_decode(cfg, params, PROMPTS, _dc(bs, tau))
-    _assert_same(out, ref)
-    committed = out["commit_step"][out["commit_step"] >= 0]
-    multi_commit |= len(np.unique(committed)) < len(committed)
+  r = max(R, 2 * bs)
+  dc = lambda tau, **kw: _dc(bs, tau, r, kv_write=kv_write, **kw)
+  free = sampler.generate(cfg, params, PROMPTS, dc(0.6, eos_ids=()))
+  eos = int(np.bincount(free["tokens"][:, :r // 2].ravel()).argmax())   # emitted early by some rows
+  fn = sampler.decoder_for(cfg, dc(1.0, eos_ids=(eos,)))[1]
+  multi_commit, varied = False, False
+  for tau in (1.0, 0.1, 0.05):  # the tiny model's confidences are ~0.1: these commit in parallel
+    for temp in (0.0, 0.8):
+      kw = dict(eos_ids=(eos,), temperature=temp, top_k=20 if temp else 0)
+      key = jax.random.PRNGKey(int(tau * 100) + int(temp * 10))
+      out = sampler.generate(cfg, params, PROMPTS, dc(tau, **kw), rng=key)
+      _assert_same(out, reference.reference_decode(cfg, params, PROMPTS, dc(tau, **kw), rng=key))
+      committed = out["commit_step"][out["commit_step"] >= 0]
+      multi_commit |= len(np.unique(committed)) < len(committed)
+      varied |= len({len(o) for o in out["output_ids"]}) > 1
+      if bs > 1:
+        steps = _block_steps(out, bs)
+        writes = (steps[:, 1:] > 0).sum(1) if sampler.resolve_kv_write(kv_write) == "separate" else 0
+        assert int(out["forward_passes"]) == int((steps.sum(1) + writes).max())
+  if bs > 1:  # without EOS every row decodes every block: lockstep would take max-per-block steps
+    steps = _block_steps(sampler.generate(cfg, params, PROMPTS, dc(0.1, eos_ids=())), bs)
+    staggered = int(steps.max(0).sum()) > int(steps.sum(1).max())
+  assert varied, "rows should stop at different places"
   # tau only changes traced values: one compilation served every threshold.
   assert fn._cache_size() == 1
   if bs > 1:
     assert multi_commit, "the low thresholds should commit several tokens in one step"
+  if bs in (4, 8):
+    assert staggered, "rows should finish blocks at different steps"
 
 
 @pytest.mark.parametrize("tau", [1.0, 0.9])
@@ -56,7 +82,8 @@ def test_step_budget_matches_reference_and_bounds_steps(tiny_lm, tau):
     dc = _dc(8, tau, eos_ids=(), steps_per_block=s)
     out = sampler.generate(cfg, params, PROMPTS, dc)
     _assert_same(out, reference.reference_decode(cfg, params, PROMPTS, dc))
-    assert max(per_block(out)) <= s and int(out["forward_passes"]) <= 2 * s
+    writes = int(sampler.resolve_kv_write(dc.kv_write) == "separate")  # block 1's K/V write pass
+    assert max(per_block(out)) <= s and int(out["forward_passes"]) <= 2 * s + writes
     assert (out["commit_step"] >= 0).all()
   # S >= the block size never binds: the same trajectory as no budget.
   _assert_same(sampler.generate(cfg, params, PROMPTS, _dc(8, tau, eos_ids=(), steps_per_block=8)),
@@ -77,14 +104,15 @@ def test_sampling_matches_reference(tiny_lm):
 
 def test_tau_one_commits_one_token_per_step_and_counts_nfe(tiny_lm):
   cfg, params = tiny_lm
-  for bs in (1, 4):
-    out = sampler.generate(cfg, params, PROMPTS, _dc(bs, 1.0, eos_ids=()))
+  for bs, kv_write in ((1, "fused"), (4, "fused"), (4, "separate")):
+    out = sampler.generate(cfg, params, PROMPTS, _dc(bs, 1.0, eos_ids=(), kv_write=kv_write))
     cs = out["commit_step"]
     for row in cs:
       assert sorted(row.tolist()) == list(range(R)), "one commit per step, every step"
     # B = 1: the prefill predicts token 0, then one forward per further token (as AR / HF).
-    # B > 1: one forward per step (block j's first step also writes block j-1's K/V).
-    expected = R - 1 if bs == 1 else R
+    # B > 1, fused: one forward per step (block j's first step also writes block j-1's K/V);
+    # separate: one more forward per block after the first (its K/V write).
+    expected = R - 1 if bs == 1 else R + (R // bs - 1 if kv_write == "separate" else 0)
     np.testing.assert_array_equal(out["nfe"], [expected] * len(PROMPTS))
     assert int(out["forward_passes"]) == expected
 

@@ -60,11 +60,11 @@ def test_kl_zero_for_same_ar_model_positive_otherwise_and_topk(setup):
   roll = rollouts.sample(cfg, params, toks, lens, _dc(1), jax.random.PRNGKey(5), G)
   seg = rollouts.replay_inputs(roll, 1, 63)
   batch = _batch(cfg, params, roll, seg)
-  loss_fn = jax.jit(lambda p, b, k: opd.opd_loss(cfg, p, b, None, block_size=1, teacher_top_k=k), static_argnums=2)
-  same, m = loss_fn(params, batch, 0)
+  loss_fn = jax.jit(lambda p, b, c: opd.opd_loss(cfg, p, b, None, block_size=1, teacher_cache=c), static_argnums=2)
+  same, m = loss_fn(params, batch, "full")
   assert abs(float(same)) < 1e-5 and float(m["top1_agreement"]) == 1.0
   assert float(m["denominator"]) == roll["loss_mask"].sum() > 20
-  full = float(loss_fn(other, batch, 0)[0])
+  full = float(loss_fn(other, batch, "full")[0])
   assert full > 0.05
   # Independent NumPy KL on the committed positions.
   lt = np.asarray(batch["teacher_logp"], np.float64)
@@ -92,7 +92,7 @@ def test_kl_zero_for_same_ar_model_positive_otherwise_and_topk(setup):
     if k == 8:  # and through opd_loss with a top-k batch
       b = {n: v for n, v in batch.items() if n != "teacher_logp"}
       b.update(cache)
-      np.testing.assert_allclose(float(opd.opd_loss(cfg, other, b, None, block_size=1, teacher_top_k=8)[0]),
+      np.testing.assert_allclose(float(opd.opd_loss(cfg, other, b, None, block_size=1, teacher_cache="topk")[0]),
                                  vals[-1], rtol=1e-5)
   assert all(a <= b + 1e-6 for a, b in zip(vals, vals[1:])), vals
   np.testing.assert_allclose(vals[-1], full, rtol=1e-5)
@@ -139,7 +139,7 @@ def test_prefix_context_is_the_decoder_on_left_to_right_canvases(setup):
   ids, valid, pos = (masks.slot_block_ids(p, s, bs), masks.left_pad_valid(lens, p, s),
                      masks.left_pad_positions(lens, p, s))
   lg, cache = sampler.window_forward(bcfg, params, jnp.asarray(toks), 0, qwen3.init_cache(bcfg, len(toks), s),
-                                     ids, valid, pos)
+                                     lens, p, pos)
   carry = np.asarray(lg[:, -1])
   checked = 0
   for j in range(R // bs):
@@ -150,13 +150,13 @@ def test_prefix_context_is_the_decoder_on_left_to_right_canvases(setup):
       else:
         canvas = np.array(clean[:, j * bs:(j + 1) * bs])
         canvas[:, i:] = 63
-        lg_c, _ = sampler.window_forward(bcfg, params, jnp.asarray(canvas), p + j * bs, cache, ids, valid, pos)
+        lg_c, _ = sampler.window_forward(bcfg, params, jnp.asarray(canvas), p + j * bs, cache, lens, p, pos)
         ref = np.asarray(lg_c[:, i - 1])
       m = roll["commit_step"][:, t] >= 0
       np.testing.assert_allclose(logits[m, t], ref[m], atol=1e-5, rtol=1e-5)
       checked += m.sum()
     lg_b, cache = sampler.window_forward(bcfg, params, jnp.asarray(clean[:, j * bs:(j + 1) * bs]), p + j * bs,
-                                         cache, ids, valid, pos)
+                                         cache, lens, p, pos)
     carry = np.asarray(lg_b[:, -1])
   assert checked >= 20
 

@@ -1,18 +1,29 @@
 """The block-diffusion decoder: prefill + one `lax.while_loop` over denoising steps, one jit.
 
-Semantics are ../shared/design/block-diffusion.md. Layout: prompts left-padded to `P` slots, the
-response in `R = n * B` slots after them; the KV cache has `P + R` slots and every row uses the same
-slot for the same response index (positions differ per row, masks hide the padding).
+Semantics are ../shared/design/block-diffusion.md, per row. Layout: prompts left-padded to `P`
+slots (at least one block, so block 0 has a "previous block"), the response in `R = n * B` slots
+after them; the KV cache has `P + R` slots and every row uses the same slot for the same response
+index (positions differ per row, key ranges hide the padding).
 
-One loop iteration = one denoising step of the active block j = at most one forward pass:
-  * first step of block j >= 1: the window is [clean block j-1 | canvas j]. It writes block j-1's
-    clean K/V into the cache (the "K/V write" of the contract, fused so it costs no extra pass) and
-    its last position gives the carried distribution for index 0 of block j.
-  * other steps: the window is [canvas j]; prediction for index i > 0 comes from window slot i - 1.
-  * B = 1 is AR decoding with no diffusion overhead: the window is the one clean token, there is no
-    canvas, and the single index is predicted by the carried distribution.
-Rows run in lockstep over blocks: block j + 1 starts when every unfinished row has completed j.
-A row finished early idles (no commits, no NFE counted for it) while the others finish.
+Rows progress independently: each row has its own active block, step counter and step budget,
+and a row whose block is finished moves to its next block while the others are still denoising.
+One loop iteration = one denoising step of every unfinished row = one forward pass of a window
+whose start slot is per row (the KV cache is written at per-row offsets):
+  * when some row is at the first step of a block j >= 1, the window of every row is [its
+    previous block | its active canvas] (2B slots). For a row at its first step this writes the
+    previous block's clean K/V into the cache (the contract's "K/V write", fused so it costs no
+    extra pass) and the window's slot B - 1 gives the carried distribution for index 0 of the
+    block. A row in mid-block rewrites the same clean K/V and keeps its carried distribution;
+  * otherwise the window is [active canvas] (B slots); the prediction for index i > 0 comes from
+    window slot i - 1, index 0 from the carried state (the final hidden state of the previous
+    block's last slot, projected when needed);
+  * B = 1 is AR decoding with no diffusion overhead: the window is the one clean token, there is
+    no canvas, and the single index is predicted by the carried state (rows advance in lockstep,
+    since every row commits exactly one token per step).
+Only the B predicting positions of a window are projected to the vocabulary. Greedy decoding
+without top-k/top-p takes the token, its log-probability and confidence from one pass over the
+logits (max, argmax, logsumexp; no [B, W, V] log-probs); sampling and filtered greedy use
+`sampling.decoding_logprobs` (today's exact distribution). A finished row idles.
 
 Commit rule (per row, over its masked positions before its first committed EOS): commit every
 position whose chosen token has probability >= tau, and always the most confident one; tau >= 1.0
@@ -24,8 +35,10 @@ confident ones (ties: lower index first), so no block takes more than S steps. T
 a model that is confident nowhere is made to commit several positions per step instead of falling
 back to one per step, i.e. to AR-like decoding at no speedup.
 
-NFE per row = forward passes run after prefill while that row still had positions to commit.
-`forward_passes` is the batch's count (the wall-clock-relevant one).
+`commit_step` counts the row's own steps (0, 1, ...); the key of a row's step s is
+`fold_in(row_key, s)`, so a row decodes exactly as it would alone (decode/reference.py decodes each
+row by itself). NFE per row = forward passes run after prefill while that row still had positions
+to commit; `forward_passes` = loop iterations that ran a forward (the batch's wall-clock count).
 """
 
 from __future__ import annotations
@@ -39,8 +52,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from dgr2_jax.decode import sampling
+from dgr2_jax.model import logits as logits_lib
 from dgr2_jax.model import masks, qwen3
 from dgr2_jax.model.config import Qwen3Config
+
+
+KV_WRITES = ("auto", "fused", "separate")
+
+
+def resolve_kv_write(kv_write: str) -> str:
+  """'auto' -> 'separate' on CPU, 'fused' elsewhere (DecodeConfig.kv_write)."""
+  if kv_write != "auto":
+    return kv_write
+  return "separate" if jax.default_backend() == "cpu" else "fused"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +79,16 @@ class DecodeConfig:
   eos_ids: tuple[int, ...] = ()
   mask_token_id: int | None = None
   pad_id: int = 0
+  # How block j-1's clean K/V are written when a row moves to block j (static): 'fused' into the
+  # row's first step of block j (a [previous block | canvas] window of 2B slots for the batch
+  # that iteration), 'separate' (a B-slot window that only writes, one more forward for that row,
+  # counted in its NFE), or 'auto': 'separate' on CPU, where a 2B window costs over twice a B
+  # window, else 'fused' (on accelerators a decode window's cost barely depends on its width).
+  kv_write: str = "auto"
 
   def __post_init__(self):
+    if self.kv_write not in KV_WRITES:
+      raise ValueError(f"decode.kv_write must be one of {KV_WRITES}, got {self.kv_write!r}")
     if self.block_size < 1:
       raise ValueError(f"decode.block_size must be >= 1, got {self.block_size}")
     if self.max_new_tokens % self.block_size:
@@ -88,124 +120,193 @@ def left_pad(prompts: Sequence[Sequence[int]], max_prompt_len: int, pad_id: int)
   return tokens, lengths
 
 
-def window_forward(config, params, tokens, start, cache, slot_ids, key_valid, positions):
-  """Forward of a window of slots [start, start + W) against (and into) the KV cache.
+def window_forward(config, params, tokens, start, cache, prompt_len, prompt_slots: int, positions,
+                   return_hidden: bool = False):
+  """Forward of the window of slots [start, start + W) against (and into) the KV cache.
 
-  tokens [B,W]; slot_ids [S]; key_valid, positions [B,S]. Single-stream block-causal mask.
-  """
-  width = tokens.shape[1]
-  q_ids = jax.lax.dynamic_slice_in_dim(slot_ids, start, width)
-  pos = jax.lax.dynamic_slice_in_dim(positions, start, width, axis=1)
-  mask = masks.block_causal_mask(q_ids, slot_ids, key_valid)         # [B,W,S]
-  return qwen3.forward(config, params, tokens, pos, mask, cache, start)
+  tokens [B,W]; start: one slot for every row, or [B] (one per row); prompt_len [B];
+  positions [B,S] of the single-stream layout. The key ranges are the block-causal rule of
+  `config.block_size` (masks.sequence_ranges). -> (logits [B,W,V] or hidden [B,W,E], cache)."""
+  b, width = tokens.shape
+  start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,))
+  slots = start[:, None] + jnp.arange(width)[None, :]                         # [B,W]
+  ranges = masks.sequence_ranges(prompt_len, prompt_slots, positions.shape[1], config.block_size, q_slots=slots)
+  pos = jnp.take_along_axis(positions, slots, axis=1)
+  return qwen3.forward(config, params, tokens, pos, ranges, cache, start, return_hidden=return_hidden)
+
+
+def _greedy_choice(logits, mask_id):
+  """(token, log-prob) of the argmax of softmax(logits) without the mask token: three reductions
+  over the logits (max; first index of the max, which XLA's CPU backend runs ~3x faster than its
+  variadic argmax; logsumexp), no log-probs materialised."""
+  v = logits.shape[-1]
+  iota = jnp.arange(v, dtype=jnp.int32)
+  x = jnp.where(iota == mask_id, -jnp.inf, logits.astype(jnp.float32))
+  top = jnp.max(x, axis=-1)
+  tok = jnp.min(jnp.where(x == top[..., None], iota, v), axis=-1)
+  lse = top + jnp.log(jnp.sum(jnp.exp(x - top[..., None]), axis=-1))
+  return tok, top - lse
+
+
+def choose(config, params, hidden, keys, temperature, top_k, top_p, mask_id):
+  """Token and its log-prob under the decoding distribution, per position.
+
+  hidden [B,N,E] (projected to the vocabulary here, a few rows at a time at large vocabularies:
+  model/logits.py); keys [B] (one per row). Greedy without filters: `_greedy_choice`; otherwise
+  `sampling.decoding_logprobs` + `sampling.choose_tokens` (the exact distribution)."""
+  def rows(xs):
+    h, k = xs
+    lg = qwen3.lm_head(config, params, h)                                       # [b,N,V]
+
+    def general(lg):
+      lp = sampling.decoding_logprobs(lg, temperature, top_k, top_p, mask_id)
+      tok = jax.vmap(lambda kk, l: sampling.choose_tokens(kk, l, temperature))(k, lp)   # [b,N]
+      return tok, jnp.take_along_axis(lp, tok[..., None], -1)[..., 0]
+    fast = (temperature <= 0) & (top_k <= 0) & (top_p >= 1.0)
+    return jax.lax.cond(fast, lambda x: _greedy_choice(x, mask_id), general, lg)
+  b, n = hidden.shape[:2]
+  per = max(1, config.logits_chunk // n) if config.logits_chunk > 0 else logits_lib.CHUNK_ELEMENTS // (n * config.vocab_size)
+  return logits_lib.map_positions(rows, (hidden, keys), max(1, min(per, b)))
+
+
+def confidence_rank(conf, cand):
+  """Rank of each candidate by confidence (0 = most confident; ties -> lower index first), as a
+  stable argsort would give; non-candidates rank after every candidate. conf, cand [B,N]."""
+  c = jnp.where(cand, conf, -1.0)
+  n = c.shape[1]
+  idx = jnp.arange(n)
+  before = (c[:, None, :] > c[:, :, None]) | ((c[:, None, :] == c[:, :, None]) & (idx[None, None, :] < idx[None, :, None]))
+  return before.sum(-1)                                                       # [B,N]
+
+
+def commit_mask(conf, cand, threshold, steps_left):
+  """The commit rule (module docstring) for one step: cand, conf [B,N]; steps_left [B]."""
+  rank = confidence_rank(conf, cand)
+  k_min = (cand.sum(axis=1) + steps_left - 1) // steps_left                  # [B]; 1 without a budget
+  return cand & (((conf >= threshold) & (threshold < 1.0)) | (rank < k_min[:, None]))
 
 
 def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids: tuple,
-            mask_id: int, params, prompt_tokens, prompt_len, threshold, temperature, top_k, top_p, rng,
-            steps_per_block=0):
+            mask_id: int, kv_write: str, params, prompt_tokens, prompt_len, threshold, temperature, top_k,
+            top_p, rng, steps_per_block=0):
   c, bsz = model_config, block_size
+  if prompt_tokens.shape[1] < bsz:  # block 0 needs a previous block of prompt slots (pad slots)
+    prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (bsz - prompt_tokens.shape[1], 0)))
   b, p = prompt_tokens.shape
   r = num_blocks * bsz
   s = p + r
-  slot_ids = masks.slot_block_ids(p, s, bsz)                         # [S]
-  key_valid = masks.left_pad_valid(prompt_len, p, s)                  # [B,S]
   positions = masks.left_pad_positions(prompt_len, p, s)              # [B,S]
   eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
   row_keys = jax.random.split(rng, b)
+  rows = jnp.arange(b)
 
   def run(tokens, start, cache):
-    return window_forward(c, params, tokens, start, cache, slot_ids, key_valid, positions)
+    return window_forward(c, params, tokens, start, cache, prompt_len, p, positions, return_hidden=True)
 
   cache = qwen3.init_cache(c, b, s)
-  logits, cache = run(prompt_tokens, 0, cache)
-  carry_logits = logits[:, -1]                                        # [B,V]: predicts response index 0
+  hidden, cache = run(prompt_tokens, 0, cache)
+  carry = hidden[:, -1]                                               # [B,E]: predicts index 0 of block 0
 
-  def block_slice(x, j):  # [B, R] -> [B, bsz] of block j
-    return jax.lax.dynamic_slice_in_dim(x, j * bsz, bsz, axis=1)
+  def row_slice(x, start, width):  # [B, L] -> [B, width] at per-row starts
+    return jax.vmap(lambda xi, si: jax.lax.dynamic_slice_in_dim(xi, si, width))(x, start)
 
   def predictions(st):
-    """-> (logits for each index of the active block [B,bsz,V], carry, cache, ran_forward)."""
-    j = st["block"]
-    canvas = block_slice(st["canvas"], j)
+    """-> (hidden predicting each index of every row's active block [B,bsz,E], carry, cache, ran)."""
+    blk = jnp.minimum(st["block"], num_blocks - 1)                   # finished rows: any valid block
+    seq = jnp.concatenate([prompt_tokens, st["canvas"]], axis=1)     # [B,S]
+    if bsz == 1:  # AR: the one token of the previous block; block 0 was predicted by the prefill
+      def step(args):
+        carry, cache = args
+        start = p + blk - 1
+        h, cache = run(row_slice(seq, start, 1), start, cache)
+        return h[:, :1], h[:, 0], cache
+      ran = st["iteration"] > 0
+      preds, carry, cache = jax.lax.cond(ran, step, lambda a: (a[0][:, None], a[0], a[1]),
+                                         (st["carry"], st["cache"]))
+      return preds, carry, cache, ran
 
     def fused(args):
       carry, cache = args
-      clean = block_slice(st["canvas"], jnp.maximum(j - 1, 0))
-      window = clean if bsz == 1 else jnp.concatenate([clean, canvas], axis=1)
-      lg, cache = run(window, p + (j - 1) * bsz, cache)
-      carry = lg[:, bsz - 1]
-      preds = carry[:, None] if bsz == 1 else jnp.concatenate([carry[:, None], lg[:, bsz:2 * bsz - 1]], 1)
-      return preds, carry, cache
+      start = p + (blk - 1) * bsz                                     # >= p - bsz >= 0
+      h, cache = run(row_slice(seq, start, 2 * bsz), start, cache)
+      new = st["first"] & (st["block"] > 0)
+      carry = jnp.where(new[:, None], h[:, bsz - 1], carry)
+      return jnp.concatenate([carry[:, None], h[:, bsz:2 * bsz - 1]], 1), carry, cache
 
     def canvas_only(args):
       carry, cache = args
-      if bsz == 1:  # block 0 of AR decoding: the prefill already predicted it
-        return carry[:, None], carry, cache
-      lg, cache = run(canvas, p + j * bsz, cache)
-      return jnp.concatenate([carry[:, None], lg[:, :bsz - 1]], 1), carry, cache
+      start = p + blk * bsz
+      h, cache = run(row_slice(seq, start, bsz), start, cache)
+      return jnp.concatenate([carry[:, None], h[:, :bsz - 1]], 1), carry, cache
+
+    def separate(args):  # rows due a K/V write spend this forward on it (B-slot windows only)
+      carry, cache = args
+      writing = st["first"] & (st["block"] > 0) & ~st["done"]
+      start = jnp.where(writing, p + (blk - 1) * bsz, p + blk * bsz)
+      h, cache = run(row_slice(seq, start, bsz), start, cache)
+      carry = jnp.where(writing[:, None], h[:, bsz - 1], carry)
+      return jnp.concatenate([carry[:, None], h[:, :bsz - 1]], 1), carry, cache
 
     if num_blocks == 1:  # a single block never writes K/V of a previous one
-      use_fused = jnp.bool_(False)
       preds, carry, cache = canvas_only((st["carry"], st["cache"]))
+    elif kv_write == "separate":
+      preds, carry, cache = separate((st["carry"], st["cache"]))
     else:
-      use_fused = st["first"] & (j > 0)
-      preds, carry, cache = jax.lax.cond(use_fused, fused, canvas_only, (st["carry"], st["cache"]))
-    ran = use_fused | (bsz > 1)
-    return preds, carry, cache, ran
+      need = (st["first"] & (st["block"] > 0) & ~st["done"]).any()
+      preds, carry, cache = jax.lax.cond(need, fused, canvas_only, (st["carry"], st["cache"]))
+    return preds, carry, cache, jnp.bool_(True)
 
   def body(st):
-    j, step = st["block"], st["step"]
+    j, step = st["block"], st["step"]                                 # [B], [B]
+    jc = jnp.minimum(j, num_blocks - 1)
     preds, carry, cache, ran = predictions(st)
     idx = jnp.arange(bsz)[None, :]
-    canvas = block_slice(st["canvas"], j)
-    eos_in_block = st["eos_pos"] - j * bsz                            # [B] (may be <0 or >=bsz)
-    cand = (canvas == mask_id) & (idx < eos_in_block[:, None]) & ~st["done"][:, None]   # [B,bsz]
+    canvas = row_slice(st["canvas"], jc * bsz, bsz)                   # [B,bsz]
+    eos_in_block = st["eos_pos"] - jc * bsz                           # [B] (may be <0 or >=bsz)
+    # Rows whose forward was a separate K/V write commit nothing this iteration.
+    writing = (st["first"] & (j > 0) & ~st["done"]) if (kv_write == "separate" and bsz > 1) else \
+        jnp.zeros_like(st["done"])
+    cand = (canvas == mask_id) & (idx < eos_in_block[:, None]) & ~(st["done"] | writing)[:, None]   # [B,bsz]
     has_cand = cand.any(axis=1)
 
-    logp = sampling.decoding_logprobs(preds, temperature, top_k, top_p, mask_id)            # [B,bsz,V]
-    keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
-    tok = jax.vmap(lambda k, lp: sampling.choose_tokens(k, lp, temperature))(keys, logp)  # [B,bsz]
-    tok_lp = jnp.take_along_axis(logp, tok[..., None], -1)[..., 0]
-    conf = jnp.exp(tok_lp)
-    # Rank of each candidate by confidence (0 = most confident; stable sort: ties -> lower index).
-    order = jnp.argsort(-jnp.where(cand, conf, -1.0), axis=1, stable=True)
-    rank = jnp.argsort(order, axis=1)                                   # [B,bsz]
+    keys = jax.vmap(jax.random.fold_in)(row_keys, step)
+    tok, tok_lp = choose(c, params, preds, keys, temperature, top_k, top_p, mask_id)
     steps_left = jnp.where(steps_per_block > 0,
                            jnp.maximum(steps_per_block - (step - st["block_start"]), 1), bsz)
-    n_cand = cand.sum(axis=1)
-    k_min = (n_cand + steps_left - 1) // steps_left                     # [B]; 1 without a budget
-    commit = cand & (((conf >= threshold) & (threshold < 1.0)) | (rank < k_min[:, None]))
+    commit = commit_mask(jnp.exp(tok_lp), cand, threshold, steps_left)
 
     new_block = jnp.where(commit, tok, canvas)
-    cstep = jnp.where(commit, step, block_slice(st["commit_step"], j))
-    lp_rec = jnp.where(commit, tok_lp, block_slice(st["logprob"], j))
+    at = rows[:, None], jc[:, None] * bsz + idx                       # this row's active block
     is_eos = commit & (tok[..., None] == eos).any(-1)
-    first_eos = jnp.min(jnp.where(is_eos, j * bsz + idx, r), axis=1)
+    first_eos = jnp.min(jnp.where(is_eos, jc[:, None] * bsz + idx, r), axis=1)
     eos_pos = jnp.minimum(st["eos_pos"], first_eos)
-
-    upd = lambda x, blk: jax.lax.dynamic_update_slice_in_dim(x, blk, j * bsz, axis=1)
-    canvas_all = upd(st["canvas"], new_block)
-    remaining = (new_block == mask_id) & (idx < (eos_pos - j * bsz)[:, None]) & ~st["done"][:, None]
-    block_done = ~remaining.any()
-    done = st["done"] | (block_done & (eos_pos < (j + 1) * bsz))
+    remaining = (new_block == mask_id) & (idx < (eos_pos - jc * bsz)[:, None]) & ~st["done"][:, None]
+    block_done = ~remaining.any(axis=1) & ~st["done"] & ~writing
+    done = st["done"] | (block_done & ((eos_pos < (jc + 1) * bsz) | (jc + 1 >= num_blocks)))
     return dict(
-        step=step + 1, block=jnp.where(block_done, j + 1, j), first=block_done,
+        iteration=st["iteration"] + 1,
+        step=step + has_cand.astype(jnp.int32), block=jnp.where(block_done, j + 1, j),
+        first=block_done | (st["first"] & ~writing & ~has_cand),
         block_start=jnp.where(block_done, step + 1, st["block_start"]),
-        canvas=canvas_all, commit_step=upd(st["commit_step"], cstep), logprob=upd(st["logprob"], lp_rec),
+        canvas=st["canvas"].at[at].set(new_block),
+        commit_step=st["commit_step"].at[at].set(jnp.where(commit, step[:, None], st["commit_step"][at])),
+        logprob=st["logprob"].at[at].set(jnp.where(commit, tok_lp, st["logprob"][at])),
         eos_pos=eos_pos, done=done, carry=carry, cache=cache,
-        nfe=st["nfe"] + (ran & has_cand).astype(jnp.int32),
+        nfe=st["nfe"] + (ran & (has_cand | writing)).astype(jnp.int32),
         forward_passes=st["forward_passes"] + ran.astype(jnp.int32))
 
   def cond(st):
-    # Every iteration commits >= 1 token in each row that still has work, so a block takes at most
-    # `bsz` steps; the step bound only guards against a broken invariant.
-    return (st["block"] < num_blocks) & ~st["done"].all() & (st["step"] < r + num_blocks)
+    # Every iteration commits >= 1 token in each row that still has work (or writes its previous
+    # block's K/V), so a row takes at most R steps + one write per block; the bound only guards
+    # against a broken invariant.
+    return ~st["done"].all() & (st["iteration"] < r + num_blocks + 1)
 
   st = dict(
-      step=jnp.int32(0), block=jnp.int32(0), first=jnp.bool_(True), block_start=jnp.int32(0),
+      iteration=jnp.int32(0), step=jnp.zeros((b,), jnp.int32), block=jnp.zeros((b,), jnp.int32),
+      first=jnp.ones((b,), bool), block_start=jnp.zeros((b,), jnp.int32),
       canvas=jnp.full((b, r), mask_id, jnp.int32), commit_step=jnp.full((b, r), -1, jnp.int32),
       logprob=jnp.zeros((b, r), jnp.float32), eos_pos=jnp.full((b,), r, jnp.int32),
-      done=jnp.zeros((b,), bool), carry=carry_logits, cache=cache,
+      done=jnp.zeros((b,), bool), carry=carry, cache=cache,
       nfe=jnp.zeros((b,), jnp.int32), forward_passes=jnp.int32(0))
   st = jax.lax.while_loop(cond, body, st)
   return dict(tokens=st["canvas"], commit_step=st["commit_step"], logprob=st["logprob"],
@@ -215,12 +316,29 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
 
 @functools.lru_cache(maxsize=32)
 def compiled_decoder(model_config: Qwen3Config, block_size: int, max_new_tokens: int,
-                     eos_ids: tuple, mask_id: int):
+                     eos_ids: tuple, mask_id: int, kv_write: str = "auto"):
   """One jitted function per static shape/config; tau, temperature, top-k/p, the key and the step
   budget are traced."""
   fn = functools.partial(_decode, model_config, block_size, max_new_tokens // block_size,
-                         tuple(eos_ids), mask_id)
+                         tuple(eos_ids), mask_id, resolve_kv_write(kv_write))
   return jax.jit(fn)
+
+
+def decoder_for(model_config: Qwen3Config, dc: DecodeConfig):
+  """(the model config it runs, the compiled decoder) for a DecodeConfig."""
+  model_config = model_for_decoding(model_config, dc)
+  mask_id = dc.mask_token_id if dc.mask_token_id is not None else dc.pad_id
+  return model_config, compiled_decoder(model_config, dc.block_size, dc.max_new_tokens, tuple(dc.eos_ids),
+                                        mask_id, dc.kv_write)
+
+
+def run_decoder(fn, params, prompt_tokens, prompt_len, dc: DecodeConfig, rng=None):
+  """Calls a `compiled_decoder` with `dc`'s traced settings (device arrays out). Host values go in
+  as NumPy (one transfer with the call, no per-scalar dispatch: at batch 1 the host side of a call
+  is a visible share of its wall-clock); rng None = PRNGKey(0)."""
+  rng = np.zeros((2,), np.uint32) if rng is None else rng   # == jax.random.PRNGKey(0)
+  return fn(params, prompt_tokens, prompt_len, np.float32(dc.threshold), np.float32(dc.temperature),
+            np.int32(dc.top_k), np.float32(dc.top_p), rng, np.int32(dc.steps_per_block))
 
 
 def decode_config_for(model_config: Qwen3Config, **kw) -> DecodeConfig:
@@ -231,28 +349,39 @@ def decode_config_for(model_config: Qwen3Config, **kw) -> DecodeConfig:
   return DecodeConfig(**kw)
 
 
+def model_for_decoding(model_config: Qwen3Config, dc: DecodeConfig) -> Qwen3Config:
+  """The model config the decoder runs: block-causal of `dc.block_size` (an AR checkpoint is
+  converted on the fly, weights unchanged), causal for block size 1."""
+  if dc.block_size > 1 and (model_config.attention != "block_causal" or model_config.block_size != dc.block_size):
+    return model_config.as_block_diffusion(dc.block_size, dc.mask_token_id)
+  if dc.block_size == 1 and model_config.block_size != 1:
+    return model_config.as_block_diffusion(1)
+  return model_config
+
+
+def output_ids(tokens: np.ndarray, eos_pos: np.ndarray) -> list[list[int]]:
+  """Per row: the canvas truncated after the first EOS (EOS included)."""
+  r = tokens.shape[1]
+  return [row[:min(int(e) + 1, r)].tolist() for row, e in zip(tokens, eos_pos)]
+
+
 def generate(model_config: Qwen3Config, params, prompts: Sequence[Sequence[int]],
              decode_config: DecodeConfig, rng=None, max_prompt_len: int | None = None,
              return_device: bool = False) -> dict:
   """Decodes a batch of prompts (token-id lists). See the module docstring for the semantics.
 
   Returns numpy arrays: tokens [B,R] (the final canvas, mask id where never committed),
-  commit_step [B,R] (-1 = never committed), logprob [B,R], nfe [B], steps, forward_passes, and
-  output_ids (per row, truncated after the first EOS, EOS included).
+  commit_step [B,R] (-1 = never committed), logprob [B,R], nfe [B], steps [B] (the row's own
+  denoising steps), forward_passes, and output_ids (per row, truncated after the first EOS, EOS
+  included).
   """
   dc = decode_config
-  if dc.block_size > 1 and model_config.attention != "block_causal":
-    model_config = model_config.as_block_diffusion(dc.block_size, dc.mask_token_id)
+  model_config, fn = decoder_for(model_config, dc)
   max_prompt_len = max_prompt_len or max(len(x) for x in prompts)
   tokens, lengths = left_pad(prompts, max_prompt_len, dc.pad_id)
-  mask_id = dc.mask_token_id if dc.mask_token_id is not None else dc.pad_id
-  fn = compiled_decoder(model_config, dc.block_size, dc.max_new_tokens, tuple(dc.eos_ids), mask_id)
-  rng = jax.random.PRNGKey(0) if rng is None else rng
-  out = fn(params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.float32(dc.threshold),
-           jnp.float32(dc.temperature), jnp.int32(dc.top_k), jnp.float32(dc.top_p), rng,
-           jnp.int32(dc.steps_per_block))
+  out = run_decoder(fn, params, tokens, lengths, dc, rng)
   if return_device:
     return out
   out = jax.tree_util.tree_map(np.asarray, out)
-  out["output_ids"] = [row[:min(int(e) + 1, len(row))].tolist() for row, e in zip(out["tokens"], out["eos_pos"])]
+  out["output_ids"] = output_ids(out["tokens"], out["eos_pos"])
   return out

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_KINDS = ("causal", "block_causal")
+ATTENTION_IMPLS = ("xla", "blockwise", "cudnn")  # dgr2_jax.model.attention.IMPLS
 # Extra keys we write into config.json so our checkpoints round-trip through HF directories.
 DIFFUSION_KEYS = ("block_size", "mask_token_id", "attention")
 
@@ -44,6 +45,12 @@ class Qwen3Config:
   param_dtype: str = "float32"
   # Rematerialise each decoder layer in the backward pass (saves activation memory).
   remat: bool = False
+  # Attention route (model/attention.py): 'xla' (einsum over a dense mask), 'blockwise' (pure-JAX
+  # online softmax, no [T, S] array), 'cudnn' (fused GPU kernels). Runtime only, like dtype/remat.
+  attention_impl: str = "xla"
+  # Positions whose vocabulary-sized logits one chunk of a loss holds (model/logits.py); 0 = as many
+  # as fit in logits.CHUNK_ELEMENTS f32 values. Runtime only.
+  logits_chunk: int = 0
   # Block diffusion. `attention="causal"` with block_size 1 is the AR model.
   block_size: int = 1
   mask_token_id: int | None = None
@@ -64,6 +71,9 @@ class Qwen3Config:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"model config field '{name}' must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"model config field 'attention_impl' must be one of {ATTENTION_IMPLS}, got "
+                       f"{self.attention_impl!r}")
     if self.attention not in ATTENTION_KINDS:
       raise ValueError(f"model config field 'attention' must be one of {ATTENTION_KINDS}, got {self.attention!r}")
     if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:

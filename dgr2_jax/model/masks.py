@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from dgr2_jax.model import attention
+
 PROMPT, CLEAN, NOISY = 0, 1, 2
 
 
@@ -53,6 +55,27 @@ def sequence_mask(prompt_slots: int, total_slots: int, block_size: int,
   """[B, S, S]: the full single-stream mask over `[prompt | response]` (no cache)."""
   ids = slot_block_ids(prompt_slots, total_slots, block_size)
   return block_causal_mask(ids, ids, key_valid)
+
+
+def slot_key_end(slots, prompt_slots: int, block_size: int):
+  """End (exclusive) of the keys a query at single-stream slot `slots` may see: slot + 1 in the
+  prompt (causal), the end of its block in the response. Any shape; traced or static."""
+  slots = jnp.asarray(slots)
+  resp_end = prompt_slots + ((slots - prompt_slots) // block_size + 1) * block_size
+  return jnp.where(slots < prompt_slots, slots + 1, resp_end).astype(jnp.int32)
+
+
+def sequence_ranges(prompt_len, prompt_slots: int, total_slots: int, block_size: int,
+                    q_slots=None) -> attention.Ranges:
+  """`attention.Ranges` of the single-stream mask (what `sequence_mask` / `block_causal_mask`
+  hold densely): queries at `q_slots` ([T] or [b, T]; default every slot) of left-padded rows.
+  Key validity is the range's start: a row's first real slot."""
+  lo = (prompt_slots - jnp.asarray(prompt_len)).astype(jnp.int32)          # [b]
+  causal = q_slots is None and (block_size == 1 or total_slots == prompt_slots)
+  q_slots = jnp.arange(total_slots) if q_slots is None else jnp.asarray(q_slots)
+  if q_slots.ndim == 1:
+    q_slots = jnp.broadcast_to(q_slots[None], (lo.shape[0], q_slots.shape[0]))
+  return attention.Ranges(lo, slot_key_end(q_slots, prompt_slots, block_size), causal=causal)
 
 
 def left_pad_positions(prompt_len: jnp.ndarray, prompt_slots: int, total_slots: int) -> jnp.ndarray:

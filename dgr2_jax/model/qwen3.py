@@ -1,9 +1,12 @@
 """Qwen3 decoder as functional Flax linen modules, numerically matching transformers' Qwen3.
 
 Parameters are a plain nested dict whose names follow HF (`layers_3/self_attn/q_proj/kernel`), so
-the HF <-> ours mapping in `checkpoint.py` is a table. Attention always takes an explicit boolean
-mask (built in `masks.py`) and explicit position ids; the KV cache is a plain pytree created by
-`init_cache`, written with `dynamic_update_slice` at `cache_index` and returned, never mutated.
+the HF <-> ours mapping in `checkpoint.py` is a table. Attention takes an explicit mask (a dense
+boolean array, or the key ranges of `attention.Ranges` / `attention.Streams` built in `masks.py`
+and `streams.py`) and explicit position ids, and runs the route `config.attention_impl` names
+(model/attention.py); the KV cache is a plain pytree created by `init_cache`, written with
+`dynamic_update_slice` at `cache_index` (one slot for all rows, or one per row) and returned,
+never mutated.
 
 Shapes: B batch, T query tokens, S key slots (= T without cache, = cache length with cache),
 H query heads, K kv heads, G = H // K, D head_dim, E hidden, F intermediate, V vocab.
@@ -17,12 +20,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dgr2_jax.model import attention
 from dgr2_jax.model.config import Qwen3Config
 
 Params = dict
 Cache = list  # one {"k": [B, S, K, D], "v": [B, S, K, D]} per layer
-_NEG = -1e30  # finite, so a query with no visible key gives a uniform (not NaN) softmax
-
 
 class RMSNorm(nn.Module):
   dim: int
@@ -77,51 +79,22 @@ class Attention(nn.Module):
 
     new_cache = None
     if cache is not None:
-      idx = (0, cache_index, 0, 0)
-      kk = jax.lax.dynamic_update_slice(cache["k"], kk.astype(cache["k"].dtype), idx)  # [B,S,K,D]
-      v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), idx)
+      kk = _write_cache(cache["k"], kk, cache_index)                       # [B,S,K,D]
+      v = _write_cache(cache["v"], v, cache_index)
       new_cache = {"k": kk, "v": v}
 
     qg = q.reshape(b, t, k, h // k, d)  # [B,T,K,G,D]
-    if isinstance(mask, dict):  # the multi-stream layout of model/streams.py
-      out = segment_attention(qg, kk.astype(qg.dtype), v.astype(x.dtype), mask).reshape(b, t, h * d)
-      return _dense(c.hidden_size, "o_proj", c, c.attention_bias)(out), new_cache
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, kk.astype(qg.dtype),
-                        preferred_element_type=jnp.float32) * (d ** -0.5)  # [B,K,G,T,S]
-    scores = jnp.where(mask[:, None, None, :, :], scores, _NEG)
-    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(x.dtype)).reshape(b, t, h * d)
-    return _dense(c.hidden_size, "o_proj", c, c.attention_bias)(out), new_cache
+    out = attention.attend(qg, kk.astype(qg.dtype), v.astype(x.dtype), mask, c.attention_impl)
+    return _dense(c.hidden_size, "o_proj", c, c.attention_bias)(out.reshape(b, t, h * d)), new_cache
 
 
-def segment_attention(q, k, v, mask: dict):
-  """Attention over `[context (C) | S segments of B]` without the dense [N, N] mask.
-
-  q [b,N,K,G,D], k/v [b,N,K,D]. mask["context"] [b,C,C]: what context queries see (context keys
-  only). mask["segment_context"] [b,S,C]: the context keys segment s sees; a segment's queries
-  also see every key of their own segment and nothing of the other segments. The same function
-  as the dense masked softmax on the valid queries, at O(N (C + B)) instead of O(N^2): replay
-  with one canvas per denoising step stays cheap when a block used many steps.
-  """
-  b, n, kh, g, d = q.shape
-  c, s = mask["context"].shape[-1], mask["segment_context"].shape[1]
-  scale = d ** -0.5
-  qc, kc, vc = q[:, :c], k[:, :c], v[:, :c]
-  sc = jnp.einsum("btkgd,bskd->bkgts", qc, kc, preferred_element_type=jnp.float32) * scale  # [b,K,G,C,C]
-  pc = jax.nn.softmax(jnp.where(mask["context"][:, None, None], sc, _NEG), axis=-1).astype(v.dtype)
-  out_c = jnp.einsum("bkgts,bskd->btkgd", pc, vc)                                       # [b,C,K,G,D]
-  if s == 0:  # block size 1: no segments
-    return out_c
-  bs = (n - c) // s
-  qn = q[:, c:].reshape(b, s, bs, kh, g, d)
-  kn, vn = k[:, c:].reshape(b, s, bs, kh, d), v[:, c:].reshape(b, s, bs, kh, d)
-  s_ctx = jnp.einsum("bntkgd,bskd->bnkgts", qn, kc, preferred_element_type=jnp.float32) * scale  # [b,S,K,G,B,C]
-  s_ctx = jnp.where(mask["segment_context"][:, :, None, None, None, :], s_ctx, _NEG)
-  s_own = jnp.einsum("bntkgd,bnskd->bnkgts", qn, kn, preferred_element_type=jnp.float32) * scale  # [b,S,K,G,B,B]
-  pn = jax.nn.softmax(jnp.concatenate([s_ctx, s_own], axis=-1), axis=-1).astype(v.dtype)
-  out_n = (jnp.einsum("bnkgts,bskd->bntkgd", pn[..., :c], vc)
-           + jnp.einsum("bnkgts,bnskd->bntkgd", pn[..., c:], vn))                        # [b,S,B,K,G,D]
-  return jnp.concatenate([out_c, out_n.reshape(b, s * bs, kh, g, d)], axis=1)
+def _write_cache(buf, x, index):
+  """Writes x [B,T,K,D] into buf [B,S,K,D] at slot `index` (scalar, or [B]: one slot per row)."""
+  x = x.astype(buf.dtype)
+  index = jnp.asarray(index)
+  if index.ndim == 0:
+    return jax.lax.dynamic_update_slice(buf, x, (0, index, 0, 0))
+  return jax.vmap(lambda c_, x_, i: jax.lax.dynamic_update_slice(c_, x_, (i, 0, 0)))(buf, x, index)
 
 
 class MLP(nn.Module):

@@ -137,8 +137,9 @@ class Distillation:
   -> (batch, segments)` builds the student's canvases for `oc.student_context` (or the one given)
   and caches the teacher's distributions on them; `make_batch(params, prompts, key) -> (batch,
   metrics)` is the two in a row (what `rollouts.train_on_policy` calls).
-  `loss_fn(params, batch) -> (KL, metrics)` is `train.opd.opd_loss`; `token_kl_fn(params, batch)`
-  is `train.opd.token_kl` (per position).
+  `loss_fn(params, batch, rng[, frozen]) -> (KL, metrics)` is `train.opd.opd_loss` (with
+  opd.teacher_cache='none' the teacher's params `frozen` come as its 4th argument);
+  `token_kl_fn(params, batch)` is `train.opd.token_kl` (per position, jitted).
   """
   model_config: Any
   params: Any
@@ -146,6 +147,7 @@ class Distillation:
   batch: Callable
   loss_fn: Callable
   token_kl_fn: Callable
+  frozen: Any = None  # the teacher's params when opd.teacher_cache='none' (loss_fn's 4th argument)
 
   def make_batch(self, params, prompts, key):
     roll, scored = self.sample(params, prompts, key)
@@ -156,24 +158,33 @@ class Distillation:
 def distillation(config, oc, task: dict, src: str, teacher_dir: str) -> Distillation:
   """The `Distillation` of the student in `src` against `oc.teacher`."""
   from dgr2_jax.model import checkpoint as model_ckpt
-  from dgr2_jax.train import opd, rollouts
+  from dgr2_jax.train import grpo, opd, rollouts
   mc, params = load_policy(config, src)
   dc = rollout_decode_config(config, task["tids"], mc, oc.temperature)
   bs, mask_id, g = dc.block_size, dc.mask_token_id, int(oc.rollouts_per_prompt)
   student_cfg = mc.as_block_diffusion(bs, mask_id)
-  k = int(oc.teacher_top_k)
-  if k < 0 or k > mc.vocab_size:
-    raise ValueError(f"config.opd.teacher_top_k must be in [0, vocab_size={mc.vocab_size}], got {k}")
+  mode, k = str(oc.teacher_cache), int(oc.teacher_top_k)
+  if mode not in opd.TEACHER_CACHES:
+    raise ValueError(f"config.opd.teacher_cache must be one of {opd.TEACHER_CACHES}, got {mode!r}")
+  if mode == "topk" and not 0 < k <= mc.vocab_size:
+    raise ValueError(f"config.opd.teacher_top_k must be in [1, vocab_size={mc.vocab_size}], got {k}")
+  if mode == "none" and oc.teacher != "ar":
+    raise ValueError("config.opd.teacher_cache='none' scores the AR teacher in the step; "
+                     f"teacher {oc.teacher!r} needs a cache ('full' or 'topk')")
+  top_k = k if mode == "topk" else 0
+  alpha = float(section(config, "rl", grpo.rl_config).alpha)  # the reward's format weight, as RL's
 
+  tcfg = None
   if oc.teacher == "ar":
     tcfg, tparams = model_ckpt.load_model_dir(teacher_dir)
     if tcfg.vocab_size != mc.vocab_size:
       raise ValueError(f"teacher {teacher_dir} has vocab {tcfg.vocab_size}, student {src} has {mc.vocab_size}")
-    score = jax.jit(functools.partial(opd.ar_teacher_cache, tcfg.as_block_diffusion(1), top_k=k,
-                                      mask_id=mask_id))
+    tcfg = tcfg.as_block_diffusion(1).replace(dtype=mc.dtype, attention_impl=mc.attention_impl,
+                                               logits_chunk=mc.logits_chunk)
+    score = jax.jit(functools.partial(opd.ar_teacher_cache, tcfg, top_k=top_k, mask_id=mask_id))
   else:  # frozen copy of the starting student, replayed on the serialised (tau=1) trajectory
     tparams = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params)
-    score = jax.jit(functools.partial(opd.replay_teacher_cache, student_cfg, block_size=bs, top_k=k,
+    score = jax.jit(functools.partial(opd.replay_teacher_cache, student_cfg, block_size=bs, top_k=top_k,
                                       mask_id=mask_id))
   tparams = jax.device_put(tparams)
 
@@ -188,29 +199,46 @@ def distillation(config, oc, task: dict, src: str, teacher_dir: str) -> Distilla
     logging.warning("opd.student_context='prefix' with replay_max_segments=%d < block size %d: "
                     "neighbouring tokens share a canvas (inexact, replay_exact=0); set it to 0 for "
                     "the exact P, o_<t", int(oc.replay_max_segments), bs)
+  per_call = int(oc.get("rollout_batch_size", 0))
 
   def sample(p, prompts, key):
-    roll = rollouts.sample(student_cfg, p, prompts["prompt_ids"], prompts["prompt_len"], dc, key, g)
-    return roll, score_rollouts(roll, prompts, g, task, alpha=0.2)
+    roll = rollouts.sample(student_cfg, p, prompts["prompt_ids"], prompts["prompt_len"], dc, key, g,
+                           rows_per_call=per_call)
+    return roll, score_rollouts(roll, prompts, g, task, alpha=alpha)
+
+  def teacher_cache(roll, seg):
+    """The teacher cache of the rollouts, scored `rollout_batch_size` rows at a time."""
+    if mode == "none":
+      return {}
+    rows = len(roll["prompt_ids"])
+    per = per_call or rows
+    if oc.teacher == "self_tau1":
+      tseg = rollouts.replay_inputs(roll, bs, mask_id, rollouts.serialize_commit_steps(roll["commit_step"], bs),
+                                    max_segments_per_block=int(oc.replay_max_segments))
+    parts = []
+    for i in range(0, rows, per):
+      rs = slice(i, i + per)
+      if oc.teacher == "ar":
+        c = score(tparams, roll["prompt_ids"][rs], roll["prompt_len"][rs], seg["clean"][rs])
+      else:
+        c = score(tparams, roll["prompt_ids"][rs], roll["prompt_len"][rs],
+                  {n: tseg[n][rs] for n in rollouts.SEGMENT_KEYS})
+      parts.append({n: np.asarray(v) for n, v in c.items()})
+    return {n: np.concatenate([pt[n] for pt in parts]) for n in parts[0]}
 
   def batch(roll, student_context=None):
     prefix = (student_context or oc.student_context) == "prefix"
     order = rollouts.left_to_right_commit_steps(roll["commit_step"]) if prefix else None
     seg = rollouts.replay_inputs(roll, bs, mask_id, order, max_segments_per_block=int(oc.replay_max_segments))
-    if oc.teacher == "ar":
-      cache = score(tparams, roll["prompt_ids"], roll["prompt_len"], seg["clean"])
-    else:
-      tseg = rollouts.replay_inputs(roll, bs, mask_id, rollouts.serialize_commit_steps(roll["commit_step"], bs),
-                                    max_segments_per_block=int(oc.replay_max_segments))
-      cache = score(tparams, roll["prompt_ids"], roll["prompt_len"],
-                    {n: tseg[n] for n in rollouts.SEGMENT_KEYS})
     return dict(prompt=roll["prompt_ids"], prompt_len=roll["prompt_len"], loss_mask=roll["loss_mask"],
-                **{n: seg[n] for n in rollouts.SEGMENT_KEYS},
-                **{n: np.asarray(v) for n, v in cache.items()}), seg
+                **{n: seg[n] for n in rollouts.SEGMENT_KEYS}, **teacher_cache(roll, seg)), seg
 
-  kw = dict(block_size=bs, teacher_top_k=k, mask_id=mask_id)
-  return Distillation(mc, params, sample, batch, functools.partial(opd.opd_loss, student_cfg, **kw),
-                      functools.partial(opd.token_kl, student_cfg, **kw))
+  kw = dict(block_size=bs, teacher_cache=mode, mask_id=mask_id)
+  loss = functools.partial(opd.opd_loss, student_cfg, teacher_config=tcfg, **kw)
+  frozen = tparams if mode == "none" else None
+  kl_jit = jax.jit(lambda p, b, t: opd.token_kl(student_cfg, p, b, teacher=(tcfg, t) if mode == "none" else None,
+                                                **kw))
+  return Distillation(mc, params, sample, batch, loss, lambda p, b: kl_jit(p, b, tparams), frozen)
 
 
 def run(config, workdir: str) -> str:
@@ -241,7 +269,7 @@ def run(config, workdir: str) -> str:
   tconf = on_policy_config(config, rows=pps * g, steps=steps, lr=oc.lr, grad_accum=oc.grad_accum_steps)
   state = rollouts.train_on_policy(tconf, train_dir, params=d.params, loss_fn=d.loss_fn, make_batch=d.make_batch,
                                    prompt_iter=prompt_iterator(task["prompts"], pps, int(config.seed)),
-                                   desc=STAGE)
+                                   desc=STAGE, frozen=d.frozen)
   with common.atomic_dir(out, chash, extra={"steps": steps, "source": src, "teacher": teacher_dir or "self_tau1",
                                             "examples": task["counts"]}) as tmp:
     model_ckpt.save_model_dir(os.path.join(tmp, "model"), d.model_config, state["params"],

@@ -56,19 +56,23 @@ def run(config, workdir: str) -> str:
   dist = dict(temperature=dc.temperature, top_k=dc.top_k, top_p=dc.top_p, mask_id=mask_id)
   if kl_coef > 0:
     ref_params = jax.device_put(jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params))
-    ref_fn = jax.jit(lambda p, pr, pl, seg: replay.replay_logprobs(policy_cfg, p, pr, pl, seg, bs, **dist)[0])
+    ref_fn = jax.jit(lambda p, pr, pl, seg: replay.replay_logprobs(policy_cfg, p, pr, pl, seg, bs, **dist))
 
   def make_batch(p, prompts, key):
-    roll = rollouts.sample(policy_cfg, p, prompts["prompt_ids"], prompts["prompt_len"], dc, key, g)
+    roll = rollouts.sample(policy_cfg, p, prompts["prompt_ids"], prompts["prompt_len"], dc, key, g,
+                           rows_per_call=int(rc.get("rollout_batch_size", 0)))
     seg = rollouts.replay_inputs(roll, bs, mask_id, max_segments_per_block=int(rc.replay_max_segments))
     scored = opd_stage.score_rollouts(roll, prompts, g, task, float(rc.alpha))
     adv, keep = grpo.group_advantages(scored["rewards"], g)
     batch = dict(prompt=roll["prompt_ids"], prompt_len=roll["prompt_len"], old_logp=roll["logprob"],
                  advantages=adv, loss_mask=roll["loss_mask"] & keep[:, None],
                  **{n: seg[n] for n in rollouts.SEGMENT_KEYS})
-    if kl_coef > 0:
-      batch["ref_logp"] = np.asarray(ref_fn(ref_params, batch["prompt"], batch["prompt_len"],
-                                            {n: seg[n] for n in rollouts.SEGMENT_KEYS}))
+    if kl_coef > 0:  # scored rollout_batch_size rows at a time, like the decode
+      per = int(rc.get("rollout_batch_size", 0)) or len(batch["prompt"])
+      batch["ref_logp"] = np.concatenate([np.asarray(ref_fn(ref_params, batch["prompt"][i:i + per],
+                                                            batch["prompt_len"][i:i + per],
+                                                            {n: seg[n][i:i + per] for n in rollouts.SEGMENT_KEYS}))
+                                          for i in range(0, len(batch["prompt"]), per)])
     m = opd_stage.rollout_metrics(roll, scored, seg)
     m["groups_dropped"] = float(1.0 - keep.reshape(-1, g)[:, 0].mean())
     return batch, m

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dgr2_jax.model import streams
+from dgr2_jax.train import losses
 
 WEIGHTINGS = ("1/t", "none")
 
@@ -73,16 +74,15 @@ def cft_loss(model_config, params, batch, rng, *, block_size: int, mask_id: int,
   nb = r // block_size
   seg_block = np.arange(nb)
   pred_seg = jnp.broadcast_to(jnp.arange(r) // block_size, resp.shape)
-  logits = streams.response_predictions(model_config, params, prompt, plen, resp,
-                                        noisy.reshape(-1, nb, block_size), seg_block, pred_seg, block_size)
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  ce = -jnp.take_along_axis(logp, resp[..., None], -1)[..., 0]          # [b,R]
+  hidden = streams.response_hidden(model_config, params, prompt, plen, resp,
+                                   noisy.reshape(-1, nb, block_size), seg_block, pred_seg, block_size)
+  ce, hit = losses.token_nll(model_config, params, hidden, resp)          # [b,R], in vocabulary chunks
   mw = w * masked
   # `denominator` lets gradient accumulation combine micro-batches exactly (train/loop.py).
   denom = jnp.sum(w) if weighting == "1/t" else jnp.sum(mw)
   num = jnp.sum(mw * ce / t) if weighting == "1/t" else jnp.sum(mw * ce)
   loss = num / jnp.maximum(denom, 1e-8)
-  acc = jnp.sum(masked * (jnp.argmax(logits, -1) == resp)) / jnp.maximum(jnp.sum(masked), 1)
+  acc = jnp.sum(masked * hit) / jnp.maximum(jnp.sum(masked), 1)
   metrics = {"loss": loss, "masked_ce": jnp.sum(mw * ce) / jnp.maximum(jnp.sum(mw), 1e-8),
              "mask_rate": jnp.sum(masked) / jnp.maximum(jnp.sum(rmask), 1) / (2 if complementary else 1),
              "masked_acc": acc, "denominator": denom}

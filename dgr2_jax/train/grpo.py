@@ -48,6 +48,7 @@ def rl_config() -> ml_collections.ConfigDict:
   c.temperature = 1.0          # rollout sampling temperature
   c.grad_accum_steps = 1
   c.replay_max_segments = 8    # replay canvases per block: as opd.opd_config() explains
+  c.rollout_batch_size = 0     # rows decoded per call (0 = all at once): as opd.opd_config() explains
   return c
 
 
@@ -116,7 +117,7 @@ def grpo_loss(model_config, params, batch: dict, rng=None, *, block_size: int, c
   [b,R] when kl_coef > 0."""
   del rng
   mask_id = model_config.mask_token_id if mask_id is None else mask_id
-  logp, _ = replay.replay_logprobs(model_config, params, batch["prompt"], batch["prompt_len"],
+  logp = replay.replay_logprobs(model_config, params, batch["prompt"], batch["prompt_len"],
                                    {k: batch[k] for k in ("clean", "seg_tokens", "pred_seg")}, block_size,
                                    temperature=temperature, top_k=top_k, top_p=top_p, mask_id=mask_id)
   ref = batch.get("ref_logp") if kl_coef > 0 else None

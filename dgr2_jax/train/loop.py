@@ -57,14 +57,18 @@ def _split_micro(x, k):
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, grad_accum_steps: int = 1,
-                    micro_batch_sharding: NamedSharding | None = None):
-  """-> train_step(state, batch) -> (new state, metrics dict of f32 scalars)."""
+                    micro_batch_sharding: NamedSharding | None = None, with_frozen: bool = False):
+  """-> train_step(state, batch) -> (new state, metrics dict of f32 scalars).
+
+  `with_frozen`: train_step(state, batch, frozen) passes a pytree that is not trained (e.g. a
+  teacher's params) to `loss_fn(params, batch, rng, frozen)`; it gets no gradient."""
   k = int(grad_accum_steps)
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-  def loss_and_grads(params, batch, rng):
+  def loss_and_grads(params, batch, rng, frozen):
+    extra = (frozen,) if with_frozen else ()
     if k == 1:
-      (loss, aux), grads = grad_fn(params, batch, rng)
+      (loss, aux), grads = grad_fn(params, batch, rng, *extra)
       aux = dict(aux)
       aux.pop("denominator", None)
       return loss, aux, grads
@@ -74,7 +78,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation,
       i, mb = xs
       if micro_batch_sharding is not None:
         mb = jax.lax.with_sharding_constraint(mb, micro_batch_sharding)
-      (loss, aux), grads = grad_fn(params, mb, jax.random.fold_in(rng, i))
+      (loss, aux), grads = grad_fn(params, mb, jax.random.fold_in(rng, i), *extra)
       aux = dict(aux)
       d = jnp.asarray(aux.pop("denominator", 1.0), jnp.float32)
       g_sum, l_sum, a_sum, d_sum = carry
@@ -83,7 +87,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation,
       return (g_sum, l_sum + d * loss.astype(jnp.float32), a_sum, d_sum + d), None
 
     aux_shape = jax.eval_shape(lambda: grad_fn(params, jax.tree_util.tree_map(lambda x: x[0], micro),
-                                               rng)[0][1])
+                                               rng, *extra)[0][1])
     zeros_aux = {n: jnp.zeros((), jnp.float32) for n in aux_shape if n != "denominator"}
     init = (jax.tree_util.tree_map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), zeros_aux,
             jnp.zeros((), jnp.float32))
@@ -92,10 +96,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation,
     grads = jax.tree_util.tree_map(lambda g: g / d_sum, g_sum)
     return l_sum / d_sum, {n: v / d_sum for n, v in a_sum.items()}, grads
 
-  def train_step(state, batch):
+  def train_step(state, batch, frozen=None):
     rng = jax.random.fold_in(state["rng"], state["step"])
     params = state["params"]
-    loss, aux, grads = loss_and_grads(params, batch, rng)
+    loss, aux, grads = loss_and_grads(params, batch, rng, frozen)
     updates, opt_state = optimizer.update(grads, state["opt_state"], params)
     new_params = optax.apply_updates(params, updates)
     metrics = {"loss": loss.astype(jnp.float32), "grad_norm": optax.tree.norm(grads),

@@ -2,20 +2,27 @@
 
 Both sides are next-token distributions at the same response index r (AR token shift):
   * teacher 'ar' (default): the frozen AR teacher scores prompt + rollout once, causally
-    (`losses.response_logits`, block size 1) -> its distribution for token r given P, o_<r;
-  * student: `replay.replay_logits` on the rollout's replayed canvases (block-causal + token
+    (`ar_teacher_hidden`, block size 1) -> its distribution for token r given P, o_<r;
+  * student: `replay.replay_hidden` on the rollout's replayed canvases (block-causal + token
     shift) -> exactly the distribution the decoder drew token r from (before temperature).
 Distributions are softmax(logits) with the mask token removed (it is never a valid output), at
-temperature 1. The teacher is computed once per trajectory, before the update, and cached in
-the batch (`teacher_cache`):
-  * teacher_top_k = 0: full-vocabulary log-probs `teacher_logp [b,R,V]` (4*V bytes per token);
-  * teacher_top_k = k: `teacher_topk_logp [b,R,k]`, `teacher_topk_idx [b,R,k]` and the log of
-    the remaining mass `teacher_rest_logp [b,R]` (8k + 4 bytes per token). The KL is then taken
-    over k + 1 outcomes: the teacher's top-k tokens plus one "rest" bucket,
+temperature 1. Every vocabulary-sized term is computed in chunks of positions (model/logits.py),
+so the step holds O(chunk x V) logits, never O(rollouts x R x V). The teacher side
+(`opd.teacher_cache`):
+  * 'full': the teacher's full-vocabulary log-probs, computed once per trajectory before the
+    update and cached in the batch, `teacher_logp [b,R,V]` (4V bytes per token: 0.6 MB at Qwen3's
+    vocabulary, so only for small vocabularies);
+  * 'topk' (k = `opd.teacher_top_k`): `teacher_topk_logp [b,R,k]`, `teacher_topk_idx [b,R,k]` and
+    the log of the remaining mass `teacher_rest_logp [b,R]` (8k + 4 bytes per token). The KL is
+    then taken over k + 1 outcomes: the teacher's top-k tokens plus one "rest" bucket,
       sum_{i in topk} p_t(i) (log p_t(i) - log p_s(i)) + p_t(rest) (log p_t(rest) - log p_s(rest)),
     with p_s(rest) = 1 - sum_{i in topk} p_s(i) (computed as a logsumexp over the other tokens).
     This is the KL between the two distributions coarsened to those k + 1 outcomes, so it is
-    <= the full KL (data processing) and equals it when k = V.
+    <= the full KL (data processing) and equals it when k = V;
+  * 'none': no cache; the AR teacher (frozen params passed to the train step) scores each
+    micro-batch inside the loss, exactly, with the same chunking as the student. One update per
+    batch of rollouts means the teacher runs once per trajectory either way, so this costs the
+    same teacher compute as building a cache and no cache memory (README: the measured table).
 Loss = sum over committed positions at or before the first EOS (`loss_mask`) of the KL, divided
 by their count in the batch (token-level mean; the count is metrics["denominator"], so gradient
 accumulation equals the big batch).
@@ -53,13 +60,17 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from dgr2_jax.model import logits as logits_lib
+from dgr2_jax.model import qwen3
 from dgr2_jax.train import losses
 from dgr2_jax.train import replay
 
 _NEG = -1e30
 TEACHERS = ("ar", "self_tau1")
 STUDENT_CONTEXTS = ("prefix", "replay")
-CACHE_KEYS = {0: ("teacher_logp",), 1: ("teacher_topk_logp", "teacher_topk_idx", "teacher_rest_logp")}
+TEACHER_CACHES = ("full", "none", "topk")
+CACHE_KEYS = {"full": ("teacher_logp",), "topk": ("teacher_topk_logp", "teacher_topk_idx", "teacher_rest_logp"),
+              "none": ()}
 
 
 def opd_config() -> ml_collections.ConfigDict:
@@ -74,7 +85,14 @@ def opd_config() -> ml_collections.ConfigDict:
   c.prompts_per_step = 128
   c.epochs = 1
   c.steps = 0                  # 0 => epochs * train prompts // prompts_per_step
-  c.teacher_top_k = 0          # 0 = full-vocabulary teacher cache
+  # Teacher side (module docstring): 'full' cache, 'topk' cache of teacher_top_k + rest mass, or
+  # 'none' (scored exactly inside the step). README: KL error and bytes per token of each.
+  c.teacher_cache = "full"
+  c.teacher_top_k = 64
+  # Rows decoded per call of the decoder (0 = all prompts_per_step x rollouts_per_prompt at once):
+  # the global batch of rollouts never has to fit in one decode; grad_accum_steps does the same
+  # for the update.
+  c.rollout_batch_size = 0
   c.temperature = 1.0          # rollout sampling temperature
   c.grad_accum_steps = 1
   # Replay canvases per block (see train/replay.py): the scorer's cost grows with the canvases
@@ -109,19 +127,30 @@ def _rest_logp(logp, idx):
   return jnp.maximum(jax.nn.logsumexp(jnp.where(in_k, _NEG, logp), axis=-1), _NEG)
 
 
+def _cache_per_position(config, params, hidden, top_k: int, mask_id):
+  return logits_lib.per_position(config, params, lambda lg: cache_from_logprobs(log_dist(lg, mask_id), top_k),
+                                 hidden)
+
+
+def ar_teacher_hidden(teacher_config, teacher_params, prompt, prompt_len, clean):
+  """The AR teacher's final hidden states [b,R,E] on prompt + rollout (row r predicts token r)."""
+  return losses.response_hidden(teacher_config, teacher_params,
+                                {"prompt_ids": prompt, "prompt_len": prompt_len, "response_ids": clean})
+
+
 def ar_teacher_cache(teacher_config, teacher_params, prompt, prompt_len, clean, *, top_k: int = 0,
                      mask_id=None) -> dict:
-  """The AR teacher's causal next-token distributions on prompt + rollout, as a cache."""
-  logits = losses.response_logits(teacher_config, teacher_params,
-                                  {"prompt_ids": prompt, "prompt_len": prompt_len, "response_ids": clean})
-  return cache_from_logprobs(log_dist(logits, mask_id), top_k)
+  """The AR teacher's causal next-token distributions on prompt + rollout, as a cache (projected to
+  the vocabulary in chunks of positions, model/logits.py)."""
+  hidden = ar_teacher_hidden(teacher_config, teacher_params, prompt, prompt_len, clean)
+  return _cache_per_position(teacher_config, teacher_params, hidden, top_k, mask_id)
 
 
 def replay_teacher_cache(model_config, teacher_params, prompt, prompt_len, segments, block_size: int, *,
                          top_k: int = 0, mask_id=None) -> dict:
   """A diffusion teacher's replayed distributions on `segments` (the 'self_tau1' variant)."""
-  logits = replay.replay_logits(model_config, teacher_params, prompt, prompt_len, segments, block_size)
-  return cache_from_logprobs(log_dist(logits, mask_id), top_k)
+  hidden = replay.replay_hidden(model_config, teacher_params, prompt, prompt_len, segments, block_size)
+  return _cache_per_position(model_config, teacher_params, hidden, top_k, mask_id)
 
 
 def kl_from_cache(cache: dict, student_logp) -> jax.Array:
@@ -140,31 +169,61 @@ def kl_from_cache(cache: dict, student_logp) -> jax.Array:
   return kl + jnp.where(pt_rest > 0, pt_rest * (lt_rest - ls_rest), 0.0)
 
 
-def token_kl(student_config, params, batch: dict, *, block_size: int, teacher_top_k: int = 0, mask_id=None):
-  """(KL(teacher || student) [b,R] at every response index, student log-probs [b,R,V]); the batch as
-  in `opd_loss`. Positions outside `loss_mask` hold garbage."""
-  need = CACHE_KEYS[int(teacher_top_k > 0)]
+def token_kl(student_config, params, batch: dict, *, block_size: int, teacher_cache: str = "full",
+             mask_id=None, teacher=None):
+  """(KL(teacher || student) [b,R], student argmax == teacher argmax [b,R]) at every response index,
+  in vocabulary chunks; the batch as in `opd_loss`. Positions outside `loss_mask` hold garbage.
+
+  `teacher_cache` 'full' / 'topk' read the teacher from the batch's cache; 'none' scores the AR
+  teacher here, `teacher = (teacher_config, teacher_params)`, exactly and without a cache."""
+  if teacher_cache not in TEACHER_CACHES:
+    raise ValueError(f"opd.teacher_cache must be one of {TEACHER_CACHES}, got {teacher_cache!r}")
+  need = CACHE_KEYS[teacher_cache]
   missing = [k for k in need if k not in batch]
   if missing:
-    raise ValueError(f"OPD batch lacks teacher cache fields {missing} for teacher_top_k={teacher_top_k}")
+    raise ValueError(f"OPD batch lacks teacher cache fields {missing} for teacher_cache={teacher_cache!r}")
+  if teacher_cache == "none" and teacher is None:
+    raise ValueError("opd teacher_cache='none' scores the teacher in the loss: pass teacher=(config, params)")
   mask_id = student_config.mask_token_id if mask_id is None else mask_id
-  logits = replay.replay_logits(student_config, params, batch["prompt"], batch["prompt_len"],
+  hidden = replay.replay_hidden(student_config, params, batch["prompt"], batch["prompt_len"],
                                 {k: batch[k] for k in ("clean", "seg_tokens", "pred_seg")}, block_size)
-  ls = log_dist(logits, mask_id)
-  return kl_from_cache({k: batch[k] for k in need}, ls), ls
+  if teacher_cache == "none":
+    tcfg, tparams = teacher
+    tparams = jax.lax.stop_gradient(tparams)  # frozen: no gradient, whatever the caller passes
+    th = ar_teacher_hidden(tcfg, tparams, batch["prompt"], batch["prompt_len"], batch["clean"])
+
+    def one(xs):
+      hs, ht = xs
+      ls = log_dist(qwen3.lm_head(student_config, params, hs), mask_id)
+      lt = log_dist(qwen3.lm_head(tcfg, tparams, ht), mask_id)
+      return kl_from_cache({"teacher_logp": lt}, ls), jnp.argmax(ls, -1) == jnp.argmax(lt, -1)
+    lead = hidden.shape[:-1]
+    flat = (hidden.reshape(-1, hidden.shape[-1]), th.reshape(-1, th.shape[-1]))
+    chunk = logits_lib.positions_per_chunk(student_config.vocab_size, flat[0].shape[0],
+                                           student_config.logits_chunk)
+    kl, agree = logits_lib.map_positions(one, flat, chunk)
+    return kl.reshape(lead), agree.reshape(lead)
+
+  def one(lg, *fields):
+    ls = log_dist(lg, mask_id)
+    cache = dict(zip(need, fields))
+    t_top = cache["teacher_topk_idx"][..., 0] if teacher_cache == "topk" else jnp.argmax(cache["teacher_logp"], -1)
+    return kl_from_cache(cache, ls), jnp.argmax(ls, -1) == t_top
+  return logits_lib.per_position(student_config, params, one, hidden, *[batch[k] for k in need])
 
 
-def opd_loss(student_config, params, batch: dict, rng=None, *, block_size: int, teacher_top_k: int = 0,
-             mask_id=None) -> tuple[jax.Array, dict]:
+def opd_loss(student_config, params, batch: dict, rng=None, teacher_params=None, *, block_size: int,
+             teacher_cache: str = "full", mask_id=None, teacher_config=None) -> tuple[jax.Array, dict]:
   """-> (loss, metrics). batch: prompt [b,P], prompt_len [b], clean [b,R], seg_tokens, pred_seg,
-  loss_mask [b,R] and the teacher cache (keys of `cache_from_logprobs` for `teacher_top_k`)."""
+  loss_mask [b,R] and the teacher cache (`CACHE_KEYS[teacher_cache]`; none for 'none', which
+  takes the AR teacher's params as `teacher_params`, the training loop's frozen argument)."""
   del rng
-  kl, ls = token_kl(student_config, params, batch, block_size=block_size, teacher_top_k=teacher_top_k,
-                    mask_id=mask_id)
+  teacher = (teacher_config, teacher_params) if teacher_cache == "none" else None
+  kl, agree = token_kl(student_config, params, batch, block_size=block_size, teacher_cache=teacher_cache,
+                       mask_id=mask_id, teacher=teacher)
   m = batch["loss_mask"].astype(jnp.float32)
   denom = jnp.sum(m)
   loss = jnp.sum(m * kl) / jnp.maximum(denom, 1.0)
   # Agreement of the argmaxes: a cheap readable progress signal next to the KL.
-  t_top = batch["teacher_topk_idx"][..., 0] if teacher_top_k > 0 else jnp.argmax(batch["teacher_logp"], -1)
-  agree = jnp.sum(m * (jnp.argmax(ls, -1) == t_top)) / jnp.maximum(denom, 1.0)
+  agree = jnp.sum(m * agree) / jnp.maximum(denom, 1.0)
   return loss, {"kl_to_teacher": loss, "top1_agreement": agree, "tokens": denom, "denominator": denom}

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dgr2_jax.decode import sampling
+from dgr2_jax.model import logits as logits_lib
+from dgr2_jax.model import qwen3
 from dgr2_jax.model import streams
 
 
@@ -60,27 +62,37 @@ def build_segments(tokens: np.ndarray, commit_step: np.ndarray, block_size: int,
   return dict(seg_tokens=seg_tokens, seg_block=seg_block, pred_seg=pred_seg, exact=exact, clean=clean)
 
 
-def replay_logits(model_config, params, prompt, prompt_len, segments, block_size: int):
-  """f32 logits [b,R,V] each committed token was sampled from (before temperature/top-k/top-p).
+def replay_hidden(model_config, params, prompt, prompt_len, segments, block_size: int):
+  """Final hidden states [b,R,E] whose projection each committed token was sampled from.
 
   `segments` needs `clean`, `seg_tokens` and `pred_seg` (arrays, so it can be a jit argument).
   """
   if block_size == 1:  # AR: every prediction comes from the clean stream
     b, r = segments["clean"].shape
-    return streams.response_predictions(model_config, params, prompt, prompt_len, segments["clean"],
-                                        jnp.zeros((b, 0, 1), jnp.int32), np.zeros((0,), int),
-                                        jnp.zeros((b, r), jnp.int32), 1)
+    return streams.response_hidden(model_config, params, prompt, prompt_len, segments["clean"],
+                                   jnp.zeros((b, 0, 1), jnp.int32), np.zeros((0,), int),
+                                   jnp.zeros((b, r), jnp.int32), 1)
   r = segments["clean"].shape[1]
   g = segments["seg_tokens"].shape[1]
   seg_block = np.repeat(np.arange(r // block_size), g // (r // block_size))  # static, from shapes
-  return streams.response_predictions(model_config, params, prompt, prompt_len, segments["clean"],
-                                      segments["seg_tokens"], seg_block, segments["pred_seg"], block_size)
+  return streams.response_hidden(model_config, params, prompt, prompt_len, segments["clean"],
+                                 segments["seg_tokens"], seg_block, segments["pred_seg"], block_size)
+
+
+def replay_logits(model_config, params, prompt, prompt_len, segments, block_size: int):
+  """f32 logits [b,R,V] (before temperature/top-k/top-p) of `replay_hidden`: small vocabularies
+  and tests; the scorers below project in chunks (model/logits.py)."""
+  return qwen3.lm_head(model_config, params,
+                       replay_hidden(model_config, params, prompt, prompt_len, segments, block_size))
 
 
 def replay_logprobs(model_config, params, prompt, prompt_len, segments, block_size: int, *,
                     temperature=0.0, top_k=0, top_p=1.0, mask_id=None):
-  """Log-prob [b,R] of each committed token under the decoding distribution it was drawn from."""
-  logits = replay_logits(model_config, params, prompt, prompt_len, segments, block_size)
-  logp = sampling.decoding_logprobs(logits, temperature, top_k, top_p, mask_id)
-  tok = jnp.asarray(segments["clean"])
-  return jnp.take_along_axis(logp, tok[..., None], -1)[..., 0], logits
+  """Log-prob [b,R] of each committed token under the decoding distribution it was drawn from
+  (computed in vocabulary chunks)."""
+  hidden = replay_hidden(model_config, params, prompt, prompt_len, segments, block_size)
+
+  def one(lg, tok):
+    lp = sampling.decoding_logprobs(lg, temperature, top_k, top_p, mask_id)
+    return jnp.take_along_axis(lp, tok[:, None], -1)[:, 0]
+  return logits_lib.per_position(model_config, params, one, hidden, jnp.asarray(segments["clean"], jnp.int32))

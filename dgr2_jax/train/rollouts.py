@@ -47,27 +47,32 @@ SEGMENT_KEYS = ("clean", "seg_tokens", "pred_seg")
 
 
 def sample(model_config, params, prompt_ids, prompt_len, decode_config: sampler.DecodeConfig, rng,
-           group_size: int = 1, batch_sharding=None) -> dict:
+           group_size: int = 1, batch_sharding=None, rows_per_call: int = 0) -> dict:
   """Decodes `group_size` rollouts of each prompt (left-padded `prompt_ids [n,P]`, `prompt_len [n]`).
 
+  `rows_per_call` > 0 decodes the n*G rows in calls of that many rows (it must divide n*G; call i
+  uses `fold_in(rng, i)`), so the decode's memory is that of one call; 0 = one call.
   Returns numpy arrays over n*G rows: prompt_ids, prompt_len, tokens, commit_step, logprob
   (decode-time, under the decoding distribution), nfe, eos_pos, finished (an EOS was committed
   within max_new_tokens), loss_mask (committed and at or before the first EOS), and output_ids.
   """
   dc = decode_config
-  if dc.block_size > 1 and model_config.attention != "block_causal":
-    model_config = model_config.as_block_diffusion(dc.block_size, dc.mask_token_id)
-  mask_id = dc.mask_token_id if dc.mask_token_id is not None else dc.pad_id
-  fn = sampler.compiled_decoder(model_config, dc.block_size, dc.max_new_tokens, tuple(dc.eos_ids),
-                                mask_id)
+  _, fn = sampler.decoder_for(model_config, dc)
   prompt_ids = np.repeat(np.asarray(prompt_ids, np.int32), group_size, axis=0)
   prompt_len = np.repeat(np.asarray(prompt_len, np.int32), group_size, axis=0)
-  toks, lens = jnp.asarray(prompt_ids), jnp.asarray(prompt_len)
-  if batch_sharding is not None:
-    toks, lens = jax.device_put(toks, batch_sharding), jax.device_put(lens, batch_sharding)
-  out = fn(params, toks, lens, jnp.float32(dc.threshold), jnp.float32(dc.temperature),
-           jnp.int32(dc.top_k), jnp.float32(dc.top_p), rng, jnp.int32(dc.steps_per_block))
-  out = {k: np.asarray(v) for k, v in out.items()}
+  rows = len(prompt_ids)
+  per = int(rows_per_call) or rows
+  if rows % per:
+    raise ValueError(f"rollout_batch_size ({per}) must divide the {rows} rollout rows of a step")
+  parts = []
+  for i in range(rows // per):
+    toks, lens = prompt_ids[i * per:(i + 1) * per], prompt_len[i * per:(i + 1) * per]
+    if batch_sharding is not None:
+      toks, lens = jax.device_put(toks, batch_sharding), jax.device_put(lens, batch_sharding)
+    key = rng if per == rows else jax.random.fold_in(rng, i)
+    parts.append({k: np.asarray(v) for k, v in sampler.run_decoder(fn, params, toks, lens, dc, key).items()})
+  out = {k: np.concatenate([pt[k] for pt in parts]) if parts[0][k].ndim else np.asarray([pt[k] for pt in parts])
+         for k in parts[0]}
   r = out["tokens"].shape[1]
   eos_pos = out["eos_pos"]
   out.update(prompt_ids=prompt_ids, prompt_len=prompt_len, finished=eos_pos < r,
@@ -123,9 +128,11 @@ def left_to_right_commit_steps(commit_step: np.ndarray) -> np.ndarray:
 
 def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
                     make_batch: Callable[[dict, dict, jax.Array], tuple[dict, dict]],
-                    prompt_iter, mesh=None, desc: str = "on-policy") -> dict:
+                    prompt_iter, mesh=None, desc: str = "on-policy", frozen=None) -> dict:
   """`loop.train` for on-policy stages (see the module docstring). `config.train.batch_size` is
-  the number of ROWS `make_batch` returns (prompts per step * rollouts per prompt)."""
+  the number of ROWS `make_batch` returns (prompts per step * rollouts per prompt). `frozen` (e.g.
+  the teacher's params) is placed once with its parameter shardings and passed to every step as
+  `loss_fn(params, batch, rng, frozen)`; it is neither trained nor checkpointed."""
   mesh_lib.maybe_initialize_distributed()
   tc = config.train
   total, gb, k = int(tc.total_steps), int(tc.batch_size), int(tc.grad_accum_steps)
@@ -154,9 +161,16 @@ def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
     state = loop.init_state(params, optimizer, shardings, config.seed, master_dtype)
 
   rep = NamedSharding(mesh, P())
-  step_fn = jax.jit(loop.make_train_step(loss_fn, optimizer, schedule, k, mb_sh),
-                    in_shardings=(shardings, b_sh), out_shardings=(shardings, rep),
-                    donate_argnums=(0,))
+  step = loop.make_train_step(loss_fn, optimizer, schedule, k, mb_sh, with_frozen=frozen is not None)
+  if frozen is None:
+    step_fn = jax.jit(step, in_shardings=(shardings, b_sh), out_shardings=(shardings, rep),
+                      donate_argnums=(0,))
+  else:
+    f_sh = mesh_lib.param_shardings(jax.eval_shape(lambda x: x, frozen), mesh, rules)
+    frozen = jax.device_put(frozen, f_sh)
+    jitted = jax.jit(step, in_shardings=(shardings, b_sh, f_sh), out_shardings=(shardings, rep),
+                     donate_argnums=(0,))
+    step_fn = lambda st, b: jitted(st, b, frozen)
   writer = metrics_lib.MetricsWriter(workdir, total, start, bool(tc.tensorboard),
                                      jax.process_index() == 0, desc)
   rollout_root = jax.random.PRNGKey(int(config.seed) + 1)
