@@ -109,8 +109,13 @@ def reference_speculative(drafter_config, drafter_params, verifier_config, verif
   v_mask = m_id if m_id < vv else None
   d_fwd = jax.jit(lambda prm, t, pos, msk: qwen3.forward(dcfg, prm, t, pos, msk)[0])
   v_fwd = jax.jit(lambda prm, t, pos, msk: qwen3.forward(vcfg, prm, t, pos, msk)[0])
-  d_dist = jax.jit(lambda lg: sampling.decoding_logprobs(lg, dc.temperature, dc.top_k, dc.top_p, m_id))
+  # The shared distributions and draws (sampling.py), compiled once rather than dispatched op by op.
+  d_dist = jax.jit(lambda lg, key: (lambda lp: (lp, sampling.choose_tokens(key, lp, dc.temperature)))(
+      sampling.decoding_logprobs(lg, dc.temperature, dc.top_k, dc.top_p, m_id)))
   v_dist = jax.jit(lambda lg: sampling.decoding_logprobs(lg, dc.temperature, dc.top_k, dc.top_p, v_mask))
+  fold = jax.jit(jax.random.fold_in)
+  uniforms = jax.jit(lambda k: (lambda ku, kx: (jax.random.uniform(ku, (bs + 1,)), kx))(*jax.random.split(k)))
+  draw = jax.jit(lambda k, lg: jax.random.categorical(k, lg))
   k_draft, k_verify = jax.random.split(rng)
   draft_keys, verify_keys = jax.random.split(k_draft, b), jax.random.split(k_verify, b)
   write_pass = resolve_kv_write(dc.kv_write) == "separate"
@@ -137,17 +142,16 @@ def reference_speculative(drafter_config, drafter_params, verifier_config, verif
         seq = np.concatenate([tokens[row], canvas])[None]
         lg = np.asarray(d_fwd(drafter_params, jnp.asarray(seq, jnp.int32), pos, d_mask))[0]
         preds = lg[p + j * bs - 1: p + j * bs + bs - 1]
-        key = jax.random.fold_in(draft_keys[row], dstep)
         if not sampled and dc.top_k == 0 and dc.top_p == 1.0:
           pr = preds.copy()
           pr[:, m_id] = -np.inf
           lp = _np_log_softmax(pr)
           tok = lp.argmax(-1)
         else:
-          lp_j = d_dist(jnp.asarray(preds))
-          tok = np.asarray(sampling.choose_tokens(key, lp_j, dc.temperature))
-          lp = np.asarray(lp_j, np.float64)
-        conf = {i: float(np.exp(lp[i, tok[i]])) for i in cands}
+          lp_j, tok = d_dist(jnp.asarray(preds), fold(draft_keys[row], dstep))
+          tok, lp = np.asarray(tok), np.asarray(lp_j, np.float64)
+        # Sampled drafts commit by each distribution's top probability (speculative.py docstring).
+        conf = {i: float(np.exp(lp[i].max() if sampled else lp[i, tok[i]])) for i in cands}
         left = max(dc.steps_per_block - (dstep - round_start), 1) if dc.steps_per_block else bs
         top = sorted(cands, key=lambda i: (-conf[i], i))[:-(-len(cands) // left)]
         for i in cands:
@@ -159,13 +163,14 @@ def reference_speculative(drafter_config, drafter_params, verifier_config, verif
         dstep += 1
         passes += 1
       # -- verify: the verifier's distribution for every position from the whole sequence
-      seq = np.concatenate([tokens[row], canvas])[None]
-      vlg = np.asarray(v_fwd(verifier_params, jnp.asarray(seq, jnp.int32), pos, v_mask_arr))[0]
+      seq = np.minimum(np.concatenate([tokens[row], canvas])[None], vv - 1)  # ids the verifier has
+      vlg = v_fwd(verifier_params, jnp.asarray(seq, jnp.int32), pos, v_mask_arr)[0]
+      vlp = np.asarray(v_dist(vlg), np.float64)                         # [L, Vv]
       n_drafts = min((j + 1) * bs, eos_draft + 1) - n
-      vkey = jax.random.fold_in(verify_keys[row], rounds)
+      vkey = fold(verify_keys[row], rounds)
 
       def p_at(t):  # verifier decoding log-probs for position t (from slot p + t - 1)
-        return np.asarray(v_dist(jnp.asarray(vlg[p + t - 1][None])), np.float64)[0]
+        return vlp[p + t - 1]
       if not sampled:
         m = 0
         while m < n_drafts and canvas[n + m] == int(np.argmax(p_at(n + m))):
@@ -175,8 +180,8 @@ def reference_speculative(drafter_config, drafter_params, verifier_config, verif
         n_ver = 1
         while n_ver < n_drafts and cstep[n + n_ver] >= cstep[n + n_ver - 1]:
           n_ver += 1
-        k_u, k_x = jax.random.split(vkey)
-        u = np.asarray(jax.random.uniform(k_u, (bs + 1,)))
+        u, k_x = uniforms(vkey)
+        u = np.asarray(u)
         m = 0
         while m < n_ver:
           d = int(canvas[n + m])
@@ -189,10 +194,11 @@ def reference_speculative(drafter_config, drafter_params, verifier_config, verif
           if m < n_ver:
             qm = np.full(vv, -np.inf)
             qm[:min(vv, len(qlp[n + m]))] = qlp[n + m][:vv]
-            logits_x = np.log(np.maximum(np.exp(pm) - np.exp(qm), 0.0))
+            with np.errstate(divide="ignore"):   # log 0 = -inf: the residual's zeros
+              logits_x = np.log(np.maximum(np.exp(pm) - np.exp(qm), 0.0))
           else:
             logits_x = pm
-          x = int(jax.random.categorical(k_x, jnp.asarray(logits_x, jnp.float32)))
+          x = int(draw(k_x, jnp.asarray(logits_x, jnp.float32)))
         else:
           x = -1
       emitted = [int(canvas[n + k]) for k in range(m)] + ([x] if n + m < r else [])

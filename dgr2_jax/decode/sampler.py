@@ -165,8 +165,7 @@ def choose(config, params, hidden, keys, temperature, top_k, top_p, mask_id):
     fast = (temperature <= 0) & (top_k <= 0) & (top_p >= 1.0)
     return jax.lax.cond(fast, lambda x: _greedy_choice(x, mask_id), general, lg)
   b, n = hidden.shape[:2]
-  per = max(1, config.logits_chunk // n) if config.logits_chunk > 0 else logits_lib.CHUNK_ELEMENTS // (n * config.vocab_size)
-  return logits_lib.map_positions(rows, (hidden, keys), max(1, min(per, b)))
+  return logits_lib.map_positions(rows, (hidden, keys), _rows_per_chunk(config, b, n))
 
 
 def confidence_rank(conf, cand):
@@ -184,6 +183,70 @@ def commit_mask(conf, cand, threshold, steps_left):
   rank = confidence_rank(conf, cand)
   k_min = (cand.sum(axis=1) + steps_left - 1) // steps_left                  # [B]; 1 without a budget
   return cand & (((conf >= threshold) & (threshold < 1.0)) | (rank < k_min[:, None]))
+
+
+def decoding_logprobs_of(config, params, hidden, temperature, top_k, top_p, mask_id):
+  """`sampling.decoding_logprobs` of hidden [B,N,E] projected to the vocabulary, a few rows at a
+  time at large vocabularies -> [B,N,V] (the sampled paths that need the whole distribution)."""
+  b, n = hidden.shape[:2]
+  fn = lambda h: sampling.decoding_logprobs(qwen3.lm_head(config, params, h), temperature, top_k, top_p, mask_id)
+  return logits_lib.map_positions(fn, hidden, _rows_per_chunk(config, b, n))
+
+
+def _rows_per_chunk(config, rows: int, n: int) -> int:
+  per = max(1, config.logits_chunk // n) if config.logits_chunk > 0 else logits_lib.CHUNK_ELEMENTS // (n * config.vocab_size)
+  return max(1, min(per, rows))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockWindows:
+  """The window forward of a block-diffusion model decoding blocks of `block_size` (B > 1) with
+  per-row progress (module docstring), shared by threshold and speculative decoding."""
+  config: Qwen3Config
+  params: object
+  prompt_tokens: jax.Array   # [B,P] left-padded, P >= block size
+  prompt_len: jax.Array      # [B]
+  positions: jax.Array       # [B,P+R]
+  block_size: int
+  num_blocks: int
+  kv_write: str              # 'fused' | 'separate' (resolved)
+
+  def predictions(self, block, first, done, canvas, carry, cache):
+    """-> (hidden predicting each index of every row's active block [B,B_,E], carry, cache,
+    writing [B]: rows whose forward was a separate K/V write and commit nothing)."""
+    bsz, p = self.block_size, self.prompt_tokens.shape[1]
+    blk = jnp.minimum(block, self.num_blocks - 1)                    # finished rows: any valid block
+    seq = jnp.concatenate([self.prompt_tokens, canvas], axis=1)      # [B,S]
+    due = first & (block > 0) & ~done                                 # rows owing block j-1's K/V write
+
+    def run(start, width, cache):
+      tokens = jax.vmap(lambda xi, si: jax.lax.dynamic_slice_in_dim(xi, si, width))(seq, start)
+      return window_forward(self.config, self.params, tokens, start, cache, self.prompt_len, p,
+                            self.positions, return_hidden=True)
+
+    def fused(args):  # [previous block | canvas] for every row
+      carry, cache = args
+      h, cache = run(p + (blk - 1) * bsz, 2 * bsz, cache)            # start >= p - bsz >= 0
+      carry = jnp.where(due[:, None], h[:, bsz - 1], carry)
+      return jnp.concatenate([carry[:, None], h[:, bsz:2 * bsz - 1]], 1), carry, cache
+
+    def canvas_only(args):
+      carry, cache = args
+      h, cache = run(p + blk * bsz, bsz, cache)
+      return jnp.concatenate([carry[:, None], h[:, :bsz - 1]], 1), carry, cache
+
+    def separate(args):  # rows owing the write spend this forward on it (B-slot windows only)
+      carry, cache = args
+      h, cache = run(jnp.where(due, p + (blk - 1) * bsz, p + blk * bsz), bsz, cache)
+      carry = jnp.where(due[:, None], h[:, bsz - 1], carry)
+      return jnp.concatenate([carry[:, None], h[:, :bsz - 1]], 1), carry, cache
+
+    no_write = jnp.zeros_like(done)
+    if self.num_blocks == 1:  # a single block never writes K/V of a previous one
+      return canvas_only((carry, cache)) + (no_write,)
+    if self.kv_write == "separate":
+      return separate((carry, cache)) + (due,)
+    return jax.lax.cond(due.any(), fused, canvas_only, (carry, cache)) + (no_write,)
 
 
 def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids: tuple,
@@ -210,62 +273,36 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
   def row_slice(x, start, width):  # [B, L] -> [B, width] at per-row starts
     return jax.vmap(lambda xi, si: jax.lax.dynamic_slice_in_dim(xi, si, width))(x, start)
 
+  win = BlockWindows(c, params, prompt_tokens, prompt_len, positions, bsz, num_blocks, kv_write)
+
   def predictions(st):
-    """-> (hidden predicting each index of every row's active block [B,bsz,E], carry, cache, ran)."""
-    blk = jnp.minimum(st["block"], num_blocks - 1)                   # finished rows: any valid block
-    seq = jnp.concatenate([prompt_tokens, st["canvas"]], axis=1)     # [B,S]
-    if bsz == 1:  # AR: the one token of the previous block; block 0 was predicted by the prefill
-      def step(args):
-        carry, cache = args
-        start = p + blk - 1
-        h, cache = run(row_slice(seq, start, 1), start, cache)
-        return h[:, :1], h[:, 0], cache
-      ran = st["iteration"] > 0
-      preds, carry, cache = jax.lax.cond(ran, step, lambda a: (a[0][:, None], a[0], a[1]),
-                                         (st["carry"], st["cache"]))
-      return preds, carry, cache, ran
+    """-> (hidden predicting each index of every row's active block [B,bsz,E], carry, cache, ran,
+    writing)."""
+    if bsz > 1:
+      preds, carry, cache, writing = win.predictions(st["block"], st["first"], st["done"], st["canvas"],
+                                                     st["carry"], st["cache"])
+      return preds, carry, cache, jnp.bool_(True), writing
+    # AR: the one token of the previous block; block 0 was predicted by the prefill
+    blk = jnp.minimum(st["block"], num_blocks - 1)
+    seq = jnp.concatenate([prompt_tokens, st["canvas"]], axis=1)
 
-    def fused(args):
+    def step(args):
       carry, cache = args
-      start = p + (blk - 1) * bsz                                     # >= p - bsz >= 0
-      h, cache = run(row_slice(seq, start, 2 * bsz), start, cache)
-      new = st["first"] & (st["block"] > 0)
-      carry = jnp.where(new[:, None], h[:, bsz - 1], carry)
-      return jnp.concatenate([carry[:, None], h[:, bsz:2 * bsz - 1]], 1), carry, cache
-
-    def canvas_only(args):
-      carry, cache = args
-      start = p + blk * bsz
-      h, cache = run(row_slice(seq, start, bsz), start, cache)
-      return jnp.concatenate([carry[:, None], h[:, :bsz - 1]], 1), carry, cache
-
-    def separate(args):  # rows due a K/V write spend this forward on it (B-slot windows only)
-      carry, cache = args
-      writing = st["first"] & (st["block"] > 0) & ~st["done"]
-      start = jnp.where(writing, p + (blk - 1) * bsz, p + blk * bsz)
-      h, cache = run(row_slice(seq, start, bsz), start, cache)
-      carry = jnp.where(writing[:, None], h[:, bsz - 1], carry)
-      return jnp.concatenate([carry[:, None], h[:, :bsz - 1]], 1), carry, cache
-
-    if num_blocks == 1:  # a single block never writes K/V of a previous one
-      preds, carry, cache = canvas_only((st["carry"], st["cache"]))
-    elif kv_write == "separate":
-      preds, carry, cache = separate((st["carry"], st["cache"]))
-    else:
-      need = (st["first"] & (st["block"] > 0) & ~st["done"]).any()
-      preds, carry, cache = jax.lax.cond(need, fused, canvas_only, (st["carry"], st["cache"]))
-    return preds, carry, cache, jnp.bool_(True)
+      start = p + blk - 1
+      h, cache = run(row_slice(seq, start, 1), start, cache)
+      return h[:, :1], h[:, 0], cache
+    ran = st["iteration"] > 0
+    preds, carry, cache = jax.lax.cond(ran, step, lambda a: (a[0][:, None], a[0], a[1]),
+                                       (st["carry"], st["cache"]))
+    return preds, carry, cache, ran, jnp.zeros_like(st["done"])
 
   def body(st):
     j, step = st["block"], st["step"]                                 # [B], [B]
     jc = jnp.minimum(j, num_blocks - 1)
-    preds, carry, cache, ran = predictions(st)
+    preds, carry, cache, ran, writing = predictions(st)   # writing rows commit nothing this time
     idx = jnp.arange(bsz)[None, :]
     canvas = row_slice(st["canvas"], jc * bsz, bsz)                   # [B,bsz]
     eos_in_block = st["eos_pos"] - jc * bsz                           # [B] (may be <0 or >=bsz)
-    # Rows whose forward was a separate K/V write commit nothing this iteration.
-    writing = (st["first"] & (j > 0) & ~st["done"]) if (kv_write == "separate" and bsz > 1) else \
-        jnp.zeros_like(st["done"])
     cand = (canvas == mask_id) & (idx < eos_in_block[:, None]) & ~(st["done"] | writing)[:, None]   # [B,bsz]
     has_cand = cand.any(axis=1)
 

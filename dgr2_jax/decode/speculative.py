@@ -1,0 +1,300 @@
+"""Lossless speculative re-ranking: the block-diffusion model drafts, an AR model verifies.
+
+`decode.mode='speculative'`. The drafter is the diffusion model with its own commit rule
+(`threshold`, `steps_per_block`, decode/sampler.py); the verifier an AR (causal) model with the same
+tokenizer (the pipeline's AR teacher by default; its vocabulary may lack the mask token). The
+output is exactly the verifier's: greedy, token for token what AR greedy decoding of the verifier
+gives; sampled, a draw from the verifier's decoding distribution (speculative sampling).
+
+A round of one row, at the drafter's active block j whose positions [jB, n) are accepted:
+  1. draft: the drafter denoises the block's masked positions until none is left (before a drafted
+     EOS), one drafter forward per loop iteration, its step budget restarting each round;
+  2. verify (in the iteration the draft completes): the verifier runs one causal forward over
+     [pending token | the block's drafts] (the pending token is the last accepted one, or the
+     last prompt token, whose K/V the verifier has not written yet) against its own KV cache, so
+     its logits at window slot k are its distribution for position n + k given everything
+     accepted and the drafts before it;
+  3. accept: greedy keeps the longest prefix of drafts equal to the verifier's argmax and appends
+     the verifier's argmax at the first mismatch. Sampled keeps draft k with probability
+     min(1, p_k(d_k) / q_k(d_k)) (p the verifier's, q the drafter's decoding distribution at the
+     step that committed d_k) and at the first rejection draws from normalised max(0, p - q).
+     Two things make a diffusion draft an exact sample of q here. A sampled round commits by the
+     top probability of each position's distribution (the greedy confidence), not by the drawn
+     token's, so whether a position commits never depends on the token drawn there (committing
+     by the drawn token's probability would favour likely tokens: a biased proposal). And a draft
+     is verified only where it was drawn after (or with) the drafts to its left: conditioning on a
+     later-drawn left neighbour, which saw it, would bias it. So sampled rounds verify the prefix
+     whose commit steps do not decrease, and at its end draw from p itself.
+     Every round emits at least one token; when the whole block is accepted, the verifier's next
+     token is the first position of block j + 1 (already committed there);
+  4. the accepted tokens are committed positions of the drafter's block, the rest are masked
+     again and re-drafted next round; a block accepted whole is written to the drafter's cache as
+     a clean block (its K/V write, decode/sampler.py `kv_write`), as in threshold decoding.
+Rows progress independently (per-row blocks, rounds and window offsets into both static caches);
+the whole loop is one `lax.while_loop` in one jit; threshold, step budget, temperature, top-k/p
+and the key are traced (no recompile per threshold).
+
+Outputs per row: tokens [B,R] (mask id where never emitted), logprob (the verifier's decoding
+log-prob of each emitted token, as its own AR decoding records it), commit_round (round that
+emitted each position, -1 never), eos_pos, rounds (= verifier passes), drafter_passes (drafter
+forwards, K/V writes included), accepted (drafts accepted), round_accepts [B,R] (drafts accepted in
+round i, -1 past the last round), and forward_passes / verifier_calls for the batch.
+decode/reference.py `reference_speculative` is the plain-Python judge of this loop.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dgr2_jax.decode import sampler, sampling
+from dgr2_jax.model import masks, qwen3
+from dgr2_jax.model.config import Qwen3Config
+
+MODES = ("threshold", "speculative")
+
+
+def check_pair(drafter: Qwen3Config, verifier: Qwen3Config, mask_id: int) -> None:
+  """The verifier must share the drafter's vocabulary, up to the mask token it may lack."""
+  if verifier.vocab_size not in (drafter.vocab_size, drafter.vocab_size - 1) and verifier.vocab_size < mask_id:
+    raise ValueError(f"speculative decoding: the verifier's vocabulary ({verifier.vocab_size}) is neither the "
+                     f"drafter's ({drafter.vocab_size}) nor the drafter's without its mask token")
+
+
+def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: int, eos_ids: tuple,
+            mask_id: int, kv_write: str, sampled: bool, accept_all: bool, dparams, vparams, prompt_tokens,
+            prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block):
+  bsz = block_size
+  # Block 0 needs a previous block of prompt slots (the drafter) and the verifier a prompt token
+  # before the pending one: at least B + 1 prompt slots (pad slots).
+  if prompt_tokens.shape[1] < bsz + 1:
+    prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (bsz + 1 - prompt_tokens.shape[1], 0)))
+  b, p = prompt_tokens.shape
+  r = num_blocks * bsz
+  s_d, s_v = p + r, p + r + bsz                                       # the verifier's windows overhang
+  vv = vcfg.vocab_size
+  v_mask = mask_id if mask_id < vv else None
+  pos_d = masks.left_pad_positions(prompt_len, p, s_d)
+  pos_v = masks.left_pad_positions(prompt_len, p, s_v)
+  eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+  k_draft, k_verify = jax.random.split(rng)
+  draft_keys, verify_keys = jax.random.split(k_draft, b), jax.random.split(k_verify, b)
+  rows = jnp.arange(b)
+  idx = jnp.arange(bsz)[None, :]
+  kwin = jnp.arange(bsz + 1)[None, :]
+
+  # Prefills: the drafter over the whole prompt (its last slot predicts index 0), the verifier over
+  # all but the last prompt token (pending for the first round).
+  hidden, dcache = sampler.window_forward(dcfg, dparams, prompt_tokens, 0, qwen3.init_cache(dcfg, b, s_d),
+                                          prompt_len, p, pos_d, return_hidden=True)
+  _, vcache = sampler.window_forward(vcfg, vparams, prompt_tokens[:, :p - 1], 0, qwen3.init_cache(vcfg, b, s_v),
+                                     prompt_len, p, pos_v, return_hidden=True)
+  win = sampler.BlockWindows(dcfg, dparams, prompt_tokens, prompt_len, pos_d, bsz, num_blocks, kv_write)
+
+  def row_slice(x, start, width):
+    return jax.vmap(lambda xi, si: jax.lax.dynamic_slice_in_dim(xi, si, width))(x, start)
+
+  def draft(st):
+    """One drafter step of every row still drafting (a K/V write for rows starting a block)."""
+    j = st["block"]
+    jc = jnp.minimum(j, num_blocks - 1)
+    canvas = st["canvas"][:, :r]
+    preds, carry, dcache, writing = win.predictions(st["block"], st["first"], st["done"], canvas,
+                                                    st["carry"], st["dcache"])
+    block = row_slice(canvas, jc * bsz, bsz)
+    eos_in = st["eos_draft"] - jc * bsz
+    cand = (block == mask_id) & (idx <= eos_in[:, None]) & ~(st["done"] | writing)[:, None]
+    has = cand.any(1)
+    keys = jax.vmap(jax.random.fold_in)(draft_keys, st["dstep"])
+    if sampled:
+      lp = sampler.decoding_logprobs_of(dcfg, dparams, preds, temperature, top_k, top_p, mask_id)  # [B,bsz,Vd]
+      tok = jax.vmap(lambda k, l: sampling.choose_tokens(k, l, temperature))(keys, lp)
+      conf = jnp.exp(jnp.max(lp, axis=-1))   # not the drawn token's: see the module docstring
+    else:
+      tok, tok_lp = sampler.choose(dcfg, dparams, preds, keys, temperature, top_k, top_p, mask_id)
+      conf = jnp.exp(tok_lp)
+    left = jnp.where(steps_per_block > 0, jnp.maximum(steps_per_block - (st["dstep"] - st["round_start"]), 1), bsz)
+    commit = sampler.commit_mask(conf, cand, threshold, left)
+    at = rows[:, None], jc[:, None] * bsz + idx
+    new_block = jnp.where(commit, tok, block)
+    is_eos = commit & (tok[..., None] == eos).any(-1)
+    eos_draft = jnp.minimum(st["eos_draft"], jnp.min(jnp.where(is_eos, jc[:, None] * bsz + idx, r), 1))
+    out = dict(st, canvas=st["canvas"].at[at].set(new_block), dcache=dcache, carry=carry,
+               cstep=st["cstep"].at[at].set(jnp.where(commit, st["dstep"][:, None], st["cstep"][at])),
+               dstep=st["dstep"] + has.astype(jnp.int32), eos_draft=eos_draft,
+               first=st["first"] & ~writing & ~has,
+               drafter_passes=st["drafter_passes"] + (has | writing).astype(jnp.int32))
+    if sampled:  # the drafter's distribution at each committed position, for the acceptance test
+      out["qlp"] = jnp.where(commit[..., None], lp, st["qlp"])
+    return out
+
+  def ready_rows(st):
+    j = jnp.minimum(st["block"], num_blocks - 1)
+    block = row_slice(st["canvas"][:, :r], j * bsz, bsz)
+    left = (block == mask_id) & (idx <= (st["eos_draft"] - j * bsz)[:, None])
+    return ~st["done"] & ~st["first"] & ~left.any(1)
+
+  def verify(st):
+    ready = ready_rows(st)
+    n, j = st["n_acc"], jnp.minimum(st["block"], num_blocks - 1)
+    start = p - 1 + n                                                  # the pending token's slot
+    # Masked slots past the drafts may hold an id the verifier lacks (its vocabulary without the
+    # mask token): any valid id will do there, those slots predict nothing that is read.
+    seq = jnp.minimum(jnp.concatenate([prompt_tokens, st["canvas"]], axis=1), vv - 1)   # [B, p + r + bsz]
+    h, vcache = sampler.window_forward(vcfg, vparams, row_slice(seq, start, bsz + 1), start, st["vcache"],
+                                       prompt_len, p, pos_v, return_hidden=True)
+    drafts = row_slice(st["canvas"], n, bsz + 1)                        # d_k at position n + k
+    # Drafts to check: up to the end of the block, or through a drafted EOS.
+    n_drafts = jnp.minimum((j + 1) * bsz, st["eos_draft"] + 1) - n     # [B]
+    vkeys = jax.vmap(jax.random.fold_in)(verify_keys, st["rounds"])
+    if not sampled:
+      a, a_lp = sampler.choose(vcfg, vparams, h, vkeys, temperature, top_k, top_p, v_mask)
+      ok = (drafts == a) & (kwin < n_drafts[:, None])
+      m = jnp.argmin(jnp.concatenate([ok, jnp.zeros_like(ok[:, :1])], 1), axis=1)   # leading matches
+      x = jnp.take_along_axis(a, m[:, None], 1)[:, 0]
+      lp_k = a_lp
+    else:
+      plp = sampler.decoding_logprobs_of(vcfg, vparams, h, temperature, top_k, top_p, v_mask)  # [B,W,Vv]
+      in_blk = jnp.clip(n[:, None] + kwin - j[:, None] * bsz, 0, bsz - 1)                     # [B,W]
+      qlp = jnp.take_along_axis(st["qlp"], in_blk[..., None], 1)                              # [B,W,Vd]
+      qv = _to_vocab(qlp, vv)                                                                 # [B,W,Vv]
+      cs = row_slice(st["cstep"], n, bsz + 1)
+      # The verifiable prefix: commit steps that never decrease (module docstring).
+      order_ok = jnp.concatenate([jnp.ones_like(cs[:, :1], bool), cs[:, 1:] >= cs[:, :-1]], 1)
+      n_ver = jnp.argmin(jnp.concatenate([order_ok & (kwin < n_drafts[:, None]),
+                                          jnp.zeros_like(order_ok[:, :1])], 1), axis=1)
+      k_u, k_x = jax.vmap(jax.random.split)(vkeys).swapaxes(0, 1)
+      u = jax.vmap(lambda k: jax.random.uniform(k, (bsz + 1,)))(k_u)
+      d_safe = jnp.minimum(drafts, vv - 1)
+      p_d = jnp.where(drafts < vv, jnp.take_along_axis(plp, d_safe[..., None], -1)[..., 0], -jnp.inf)
+      q_d = jnp.take_along_axis(qlp, drafts[..., None], -1)[..., 0]
+      ok = (jnp.log(u) < p_d - q_d) & (kwin < n_ver[:, None])
+      if accept_all:
+        ok = kwin < n_ver[:, None]
+      m = jnp.argmin(jnp.concatenate([ok, jnp.zeros_like(ok[:, :1])], 1), axis=1)
+      p_m = jnp.take_along_axis(plp, m[:, None, None], 1)[:, 0]                              # [B,Vv]
+      q_m = jnp.take_along_axis(qv, m[:, None, None], 1)[:, 0]
+      rejected = m < n_ver
+      resid = jnp.maximum(jnp.exp(p_m) - jnp.exp(q_m), 0.0)
+      logits_x = jnp.where(rejected[:, None], jnp.log(resid), p_m)
+      x = jax.vmap(lambda k, l: jax.random.categorical(k, l))(k_x, logits_x).astype(jnp.int32)
+      lp_k = jnp.take_along_axis(plp, jnp.minimum(drafts, vv - 1)[..., None], -1)[..., 0]
+      lp_x = jnp.take_along_axis(p_m, x[:, None], -1)[:, 0]
+      lp_k = jnp.where(kwin == m[:, None], lp_x[:, None], lp_k)
+    # Emitted this round: drafts n .. n+m-1, then x at n+m (not past R).
+    emit = (kwin <= m[:, None]) & (n[:, None] + kwin < r) & ready[:, None]
+    toks = jnp.where(kwin == m[:, None], x[:, None], drafts)
+    posn = n[:, None] + kwin                                            # [B,W]
+    is_eos = emit & (toks[..., None] == eos).any(-1)
+    first_eos = jnp.min(jnp.where(is_eos, posn, r), 1)
+    emit = emit & (posn <= first_eos[:, None])
+    n_new = jnp.where(ready, jnp.minimum(jnp.where(first_eos < r, first_eos + 1, n + m + 1), r), n)
+    # Write back: emitted tokens, the rest of the block masked again (the bonus past the block end
+    # is the next block's first position).
+    blk_end = (j + 1) * bsz
+    rng_cols = jnp.arange(r + bsz)[None, :]
+    keep = rng_cols < n[:, None]
+    redo = ready[:, None] & (rng_cols >= n_new[:, None]) & (rng_cols < jnp.maximum(blk_end, n_new)[:, None])
+    canvas = jnp.where(redo & ~keep, mask_id, st["canvas"])
+    put = lambda arr, vals: jax.vmap(lambda a_, v_, e_, s_: jnp.where(
+        e_, v_, jax.lax.dynamic_slice_in_dim(a_, s_, bsz + 1)))(arr, vals, emit, n)
+    upd = lambda arr, vals: jax.vmap(lambda a_, w_, s_: jax.lax.dynamic_update_slice_in_dim(a_, w_, s_, 0))(
+        arr, put(arr, vals), n)
+    canvas = upd(canvas, toks)
+    logprob = upd(jnp.pad(st["logprob"], ((0, 0), (0, bsz))), lp_k)[:, :r]
+    rnd = upd(jnp.pad(st["commit_round"], ((0, 0), (0, bsz))),
+              jnp.broadcast_to(st["rounds"][:, None], toks.shape))[:, :r]
+    done = st["done"] | (ready & ((first_eos < r) | (n_new >= r)))
+    block_done = ready & (n_new >= blk_end)
+    eos_pos = jnp.where(ready & (first_eos < r), first_eos, st["eos_pos"])
+    n_acc_drafts = jnp.where(ready, jnp.minimum(m, n_new - n), 0)
+    ra = st["round_accepts"].at[rows, jnp.minimum(st["rounds"], r - 1)].set(
+        jnp.where(ready, n_acc_drafts, st["round_accepts"][rows, jnp.minimum(st["rounds"], r - 1)]))
+    return dict(st, canvas=canvas, vcache=vcache, n_acc=n_new, logprob=logprob, commit_round=rnd,
+                done=done, eos_pos=eos_pos, block=jnp.where(block_done, st["block"] + 1, st["block"]),
+                first=jnp.where(block_done, True, st["first"]),
+                eos_draft=jnp.where(ready, r, st["eos_draft"]),
+                round_start=jnp.where(ready, st["dstep"], st["round_start"]),
+                cstep=jnp.where(ready[:, None], -1, st["cstep"]),
+                rounds=st["rounds"] + ready.astype(jnp.int32), accepted=st["accepted"] + n_acc_drafts,
+                round_accepts=ra, verifier_calls=st["verifier_calls"] + 1)
+
+  def body(st):
+    st = draft(st)
+    st = jax.lax.cond(ready_rows(st).any(), verify, lambda x: x, st)
+    return dict(st, iteration=st["iteration"] + 1)
+
+  def cond(st):
+    return ~st["done"].all() & (st["iteration"] < r * (bsz + 2) + num_blocks)
+
+  st = dict(
+      iteration=jnp.int32(0), verifier_calls=jnp.int32(0),
+      block=jnp.zeros((b,), jnp.int32), first=jnp.ones((b,), bool), dstep=jnp.zeros((b,), jnp.int32),
+      round_start=jnp.zeros((b,), jnp.int32), canvas=jnp.full((b, r + bsz), mask_id, jnp.int32),
+      cstep=jnp.full((b, r + bsz), -1, jnp.int32), eos_draft=jnp.full((b,), r, jnp.int32),
+      carry=hidden[:, -1], dcache=dcache, vcache=vcache, n_acc=jnp.zeros((b,), jnp.int32),
+      logprob=jnp.zeros((b, r), jnp.float32), commit_round=jnp.full((b, r), -1, jnp.int32),
+      eos_pos=jnp.full((b,), r, jnp.int32), done=jnp.zeros((b,), bool), rounds=jnp.zeros((b,), jnp.int32),
+      accepted=jnp.zeros((b,), jnp.int32), drafter_passes=jnp.zeros((b,), jnp.int32),
+      round_accepts=jnp.full((b, r), -1, jnp.int32))
+  if sampled:
+    st["qlp"] = jnp.zeros((b, bsz, dcfg.vocab_size), jnp.float32)
+  st = jax.lax.while_loop(cond, body, st)
+  return dict(tokens=st["canvas"][:, :r], logprob=st["logprob"], commit_round=st["commit_round"],
+              eos_pos=st["eos_pos"], rounds=st["rounds"], drafter_passes=st["drafter_passes"],
+              accepted=st["accepted"], round_accepts=st["round_accepts"], forward_passes=st["iteration"],
+              verifier_calls=st["verifier_calls"])
+
+
+def _to_vocab(lp, v):
+  """Log-probs [..., Vd] on the verifier's vocabulary [..., v] (-inf where the drafter has none)."""
+  vd = lp.shape[-1]
+  if vd >= v:
+    return lp[..., :v]
+  return jnp.concatenate([lp, jnp.full(lp.shape[:-1] + (v - vd,), -jnp.inf, lp.dtype)], -1)
+
+
+@functools.lru_cache(maxsize=16)
+def compiled_speculative(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, max_new_tokens: int,
+                         eos_ids: tuple, mask_id: int, kv_write: str, sampled: bool, accept_all: bool = False):
+  """One jit per static shape/config (threshold, budget, temperature, top-k/p and key are traced).
+  `accept_all` (tests only) keeps every draft: it samples the drafter, not the verifier."""
+  fn = functools.partial(_decode, dcfg, vcfg, block_size, max_new_tokens // block_size, tuple(eos_ids), mask_id,
+                         sampler.resolve_kv_write(kv_write), bool(sampled), bool(accept_all))
+  return jax.jit(fn)
+
+
+def decoder_for(drafter_config: Qwen3Config, verifier_config: Qwen3Config, dc: sampler.DecodeConfig,
+                accept_all: bool = False):
+  """The compiled speculative decoder for a drafter/verifier pair and a DecodeConfig."""
+  if dc.block_size < 2:
+    raise ValueError(f"decode.mode='speculative' needs a drafter block size >= 2, got {dc.block_size}")
+  if dc.mask_token_id is None:
+    raise ValueError("decode.mode='speculative' needs the drafter's mask token")
+  dcfg = sampler.model_for_decoding(drafter_config, dc)
+  vcfg = verifier_config.as_block_diffusion(1).replace(attention_impl=drafter_config.attention_impl)
+  check_pair(dcfg, vcfg, dc.mask_token_id)
+  return compiled_speculative(dcfg, vcfg, dc.block_size, dc.max_new_tokens, tuple(dc.eos_ids), dc.mask_token_id,
+                              dc.kv_write, dc.temperature > 0, accept_all)
+
+
+def generate(drafter_config: Qwen3Config, drafter_params, verifier_config: Qwen3Config, verifier_params,
+             prompts: Sequence[Sequence[int]], decode_config: sampler.DecodeConfig, rng=None,
+             max_prompt_len: int | None = None, return_device: bool = False, accept_all: bool = False) -> dict:
+  """Speculative decoding of a batch of prompts (module docstring); numpy outputs + output_ids."""
+  dc = decode_config
+  fn = decoder_for(drafter_config, verifier_config, dc, accept_all)
+  max_prompt_len = max_prompt_len or max(len(x) for x in prompts)
+  tokens, lengths = sampler.left_pad(prompts, max_prompt_len, dc.pad_id)
+  rng = np.zeros((2,), np.uint32) if rng is None else rng
+  out = fn(drafter_params, verifier_params, tokens, lengths, np.float32(dc.threshold), np.float32(dc.temperature),
+           np.int32(dc.top_k), np.float32(dc.top_p), rng, np.int32(dc.steps_per_block))
+  if return_device:
+    return out
+  out = jax.tree_util.tree_map(np.asarray, out)
+  out["output_ids"] = sampler.output_ids(out["tokens"], out["eos_pos"])
+  return out
