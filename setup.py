@@ -18,6 +18,7 @@ INSTALL_REQUIRES = [
     "ml-collections==1.1.0",
     "transformers==5.24.0",
     "tokenizers==0.23.3",
+    "jinja2>=3.1",            # transformers' apply_chat_template (the traces stage renders prompts)
     "safetensors==0.8.0",
     "numpy>=2.0",
     "tqdm>=4.66",

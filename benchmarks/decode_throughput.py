@@ -1,16 +1,23 @@
-"""Decode throughput: AR (B = 1) vs block diffusion (B = 32, several tau), one model, one run.
+"""Decode wall-clock at the paper's operating point: AR vs block diffusion at forced commit schedules.
 
-  python benchmarks/decode_throughput.py                        # tiny random model, CPU
-  python benchmarks/decode_throughput.py --preset=qwen3_0p6b    # Qwen3-0.6B-shaped random model (GPU)
-  python benchmarks/decode_throughput.py --model_dir=DIR        # a real checkpoint (HF or ours)
+  python benchmarks/decode_throughput.py                                   # tiny random model, CPU
+  python benchmarks/decode_throughput.py --preset=qwen3_8b --dtype=bfloat16  # Qwen3-8B shape (GPU)
+  python benchmarks/decode_throughput.py --model_dir=DIR                   # a real checkpoint (HF or ours)
 
-Prompts of ~`--prompt_len` tokens (paper: ~2200) and `--max_new_tokens` generated (paper: ~130; a
-multiple of the block size). EOS is disabled so every row generates exactly max_new_tokens tokens
-and rows are comparable. Throughput = generated tokens / wall time of the jitted generate call
-(after a warm-up call; compile time is reported separately). NFE = forward passes after prefill.
-On a random model the confidence rarely reaches tau, so block diffusion commits ~1 token per step
-and its speedup is small: that is expected; the table's rows all come from this one run.
-`--hf_baseline` adds transformers' generate (torch, static cache) on the same weights (CPU torch).
+Random weights are confident nowhere, so a threshold would commit one token per step. Instead the
+diffusion rows force a schedule through the step budget: tau = 1 and `steps_per_block` = B / c
+commit exactly c tokens per step (c = `--commits`), i.e. NFE = tokens / c (+ one K/V write per block
+when `kv_write` is separate): wall-clock at a known NFE, without a trained model. Prompts of
+`--prompt_len` tokens (paper ~2200), `--max_new_tokens` generated (128 and 512), EOS disabled so
+every row generates exactly that many. All rows in one process, side by side:
+  * AR (block size 1) tokens/s and its fraction of the HBM roofline: at batch b a decode step
+    reads every weight once plus the KV cache, so roofline tokens/s = b * bandwidth / (weight
+    bytes + KV bytes read per step) (`--hbm_gbps`, default from the device kind);
+  * diffusion tokens/s per schedule, its ratio to AR, NFE per sequence;
+  * window cost: one forward of a 32- and a 64-slot window against the full KV cache relative to
+    a 1-slot AR step (each timed in a `fori_loop`).
+Throughput = generated tokens / wall time of the jitted generate call after a warm-up call
+(compile time reported separately). `--json_out` writes the rows.
 """
 
 from __future__ import annotations
@@ -28,20 +35,22 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dgr2_jax.decode import sampler  # noqa: E402
-from dgr2_jax.model import qwen3  # noqa: E402
+from dgr2_jax.model import masks, qwen3  # noqa: E402
 from dgr2_jax.model.config import Qwen3Config  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", "", "HF or dgr2_jax model directory; empty = --preset random model")
-flags.DEFINE_enum("preset", "tiny", ["tiny", "small", "qwen3_0p6b"], "random model shape")
+flags.DEFINE_enum("preset", "tiny", ["tiny", "small", "qwen3_0p6b", "qwen3_8b"], "random model shape")
 flags.DEFINE_integer("prompt_len", 2200, "prompt tokens")
-flags.DEFINE_integer("max_new_tokens", 128, "generated tokens (multiple of every block size)")
+flags.DEFINE_list("max_new_tokens", ["128", "512"], "generated tokens (multiples of the block size)")
 flags.DEFINE_list("batch_sizes", ["1", "8"], "batch sizes")
-flags.DEFINE_list("thresholds", ["1.0", "0.9", "0.6", "0.4"], "tau values for block diffusion")
+flags.DEFINE_list("commits", ["1", "2", "4", "8"], "forced commits per denoising step")
 flags.DEFINE_integer("block_size", 32, "block size of the diffusion rows")
+flags.DEFINE_enum("kv_write", "auto", ["auto", "fused", "separate"], "decode.kv_write")
+flags.DEFINE_string("attention", "", "model.attention_impl override ('' = the model's)")
 flags.DEFINE_integer("repeats", 3, "timed calls per row (median reported)")
-flags.DEFINE_string("dtype", "", "compute dtype override (bfloat16 on GPU)")
-flags.DEFINE_bool("hf_baseline", False, "also time transformers generate (torch, static cache; CUDA if available)")
+flags.DEFINE_string("dtype", "", "compute/param dtype override (bfloat16 on GPU)")
+flags.DEFINE_float("hbm_gbps", 0.0, "memory bandwidth GB/s for the roofline (0 = from the device kind)")
 flags.DEFINE_string("json_out", "", "also write the rows as JSON here")
 
 PRESETS = {
@@ -51,7 +60,10 @@ PRESETS = {
                   num_attention_heads=8, num_key_value_heads=4, head_dim=32),
     "qwen3_0p6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3_8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
 }
+HBM_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L4": 300.0}
 
 
 def load_model():
@@ -60,97 +72,111 @@ def load_model():
     cfg, params = checkpoint.load_model_dir(FLAGS.model_dir)
   else:
     cfg = Qwen3Config(rope_theta=1e6, **PRESETS[FLAGS.preset])
-    params = qwen3.init_params(cfg, jax.random.PRNGKey(0))
+    params = None
   if FLAGS.dtype:
     cfg = cfg.replace(dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)
-    params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, cfg.jnp_param_dtype), params)
-  if cfg.mask_token_id is None:  # a random/AR model: use the last id as the mask for the benchmark
+  if FLAGS.attention:
+    cfg = cfg.replace(attention_impl=FLAGS.attention)
+  if params is None:  # initialised on the device, in the parameter dtype (no f32 host copy)
+    params = jax.jit(lambda k: qwen3.init_params(cfg, k))(jax.random.PRNGKey(0))
+  if cfg.mask_token_id is None:  # a random/AR model: the last id as the mask for the benchmark
     cfg = cfg.replace(mask_token_id=cfg.vocab_size - 1)
-  params = jax.device_put(params)
-  return cfg, params
+  return cfg, jax.device_put(params)
 
 
-def time_row(cfg, params, prompts, dc):
-  t0 = time.perf_counter()
-  out = sampler.generate(cfg, params, prompts, dc, rng=jax.random.PRNGKey(0), return_device=True)
+def time_call(fn, n):
+  out = fn(0)
   jax.block_until_ready(out)
-  first = time.perf_counter() - t0
   times = []
-  for i in range(FLAGS.repeats):
-    t0 = time.perf_counter()
-    out = sampler.generate(cfg, params, prompts, dc, rng=jax.random.PRNGKey(i + 1), return_device=True)
+  t0 = time.perf_counter()
+  for i in range(n):
+    s = time.perf_counter()
+    out = fn(i + 1)
     jax.block_until_ready(out)
-    times.append(time.perf_counter() - t0)
-  wall = float(np.median(times))
-  return dict(wall_s=wall, compile_s=max(first - wall, 0.0), nfe_per_seq=float(np.mean(np.asarray(out["nfe"]))),
-              forward_passes=int(out["forward_passes"]),
-              tokens_per_s=len(prompts) * FLAGS.max_new_tokens / wall)
+    times.append(time.perf_counter() - s)
+  compile_s = max(time.perf_counter() - t0 - sum(times), 0.0)
+  return float(np.median(times)), out, compile_s
 
 
-def hf_row(cfg, params, prompts):
-  import tempfile
-  import torch
-  from transformers import AutoModelForCausalLM
-  from dgr2_jax.model import checkpoint
-  with tempfile.TemporaryDirectory() as d:
-    checkpoint.save_hf_dir(os.path.join(d, "hf"), cfg.replace(param_dtype="float32"),
-                           jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), params))
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    tdtype = torch.bfloat16 if (dev == "cuda" and cfg.dtype == "bfloat16") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(d, "hf"), dtype=tdtype).to(dev).eval()
-  ids = torch.tensor(prompts, device=dev)
-  kw = dict(do_sample=False, max_new_tokens=FLAGS.max_new_tokens, min_new_tokens=FLAGS.max_new_tokens,
-            cache_implementation="static", pad_token_id=0, attention_mask=torch.ones_like(ids))
-  with torch.no_grad():
+def window_costs(cfg, params, batch: int, slots: int) -> dict:
+  """Seconds of one forward of a W-slot window against a `slots` KV cache, W in 1, 32, 64."""
+  p = slots - 64
+  plen = jnp.full((batch,), p, jnp.int32)
+  pos = masks.left_pad_positions(plen, p, slots)
+  out = {}
+  for w in (1, 32, 64):
+    c = cfg.as_block_diffusion(1) if w == 1 else cfg.as_block_diffusion(32, cfg.mask_token_id)
+    toks = jnp.zeros((batch, w), jnp.int32)
+    n = 20
+
+    @jax.jit
+    def loop(cache):
+      def body(i, cache):
+        h, cache = sampler.window_forward(c, params, toks, p, cache, plen, p, pos, return_hidden=True)
+        return jax.tree_util.tree_map(lambda x: x + (0 * h[0, 0, 0]).astype(x.dtype), cache)
+      return jax.lax.fori_loop(0, n, body, cache)
+    cache = qwen3.init_cache(c, batch, slots)
+    jax.block_until_ready(loop(cache))
     t0 = time.perf_counter()
-    model.generate(ids, **kw)
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    model.generate(ids, **kw)
-    if dev == "cuda":
-      torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-  return dict(wall_s=wall, compile_s=max(first - wall, 0.0), nfe_per_seq=float(FLAGS.max_new_tokens - 1),
-              forward_passes=FLAGS.max_new_tokens - 1, tokens_per_s=len(prompts) * FLAGS.max_new_tokens / wall)
+    jax.block_until_ready(loop(cache))
+    out[w] = (time.perf_counter() - t0) / n
+  return out
 
 
 def main(_):
   cfg, params = load_model()
+  n_params = qwen3.count_params(qwen3.param_shapes(cfg))
+  weight_bytes = n_params * jnp.dtype(cfg.jnp_param_dtype).itemsize
+  kind = jax.devices()[0].device_kind
+  hbm = FLAGS.hbm_gbps or next((v for k, v in HBM_GBPS.items() if k.lower() in kind.lower()), 0.0)
   rs = np.random.RandomState(0)
   rows = []
-  print(f"# decode throughput: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}, "
-        f"{platform.machine()}; model {FLAGS.model_dir or FLAGS.preset} "
-        f"({qwen3.count_params(qwen3.param_shapes(cfg)) / 1e6:.1f}M params, {cfg.dtype}); "
-        f"prompt {FLAGS.prompt_len} tokens, {FLAGS.max_new_tokens} generated, EOS off", flush=True)
-  for bsz in map(int, FLAGS.batch_sizes):
-    prompts = [list(rs.randint(10, cfg.vocab_size - 2, FLAGS.prompt_len)) for _ in range(bsz)]
-    settings = [(1, 1.0)] + [(FLAGS.block_size, float(t)) for t in FLAGS.thresholds]
-    ar = None
-    for block, tau in settings:
-      dc = sampler.DecodeConfig(block_size=block, threshold=tau, max_new_tokens=FLAGS.max_new_tokens,
-                                eos_ids=(), mask_token_id=cfg.mask_token_id, pad_id=0)
-      row = dict(engine="dgr2_jax", batch=bsz, block_size=block, threshold=tau, **time_row(cfg, params, prompts, dc))
-      ar = ar or row
-      row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"]
-      row["nfe_speedup"] = ar["nfe_per_seq"] / max(row["nfe_per_seq"], 1e-9)
-      rows.append(row)
-      print(f"  batch {bsz} B={block} tau={tau}: {row['tokens_per_s']:.1f} tok/s, NFE {row['nfe_per_seq']:.1f}, "
-            f"compile {row['compile_s']:.1f}s", flush=True)
-    if FLAGS.hf_baseline:
-      row = dict(engine="transformers generate (torch, static cache)", batch=bsz, block_size=1, threshold=1.0,
-                 **hf_row(cfg, params, prompts))
-      row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"]
-      row["nfe_speedup"] = 1.0
-      rows.append(row)
+  print(f"# decode throughput: {kind} x{jax.device_count()}, jax {jax.__version__}, {platform.machine()}; model "
+        f"{FLAGS.model_dir or FLAGS.preset} ({n_params / 1e6:.1f}M params, {cfg.dtype}, attention {cfg.attention_impl}); "
+        f"prompt {FLAGS.prompt_len}, EOS off, kv_write {sampler.resolve_kv_write(FLAGS.kv_write)}", flush=True)
+  for new in map(int, FLAGS.max_new_tokens):
+    for bsz in map(int, FLAGS.batch_sizes):
+      prompts = [list(rs.randint(10, cfg.vocab_size - 2, FLAGS.prompt_len)) for _ in range(bsz)]
+      toks, lens = sampler.left_pad(prompts, FLAGS.prompt_len, 0)
+      settings = [("ar", 1, 1.0, 0)] + [(f"diffusion c={c}", FLAGS.block_size, 1.0, FLAGS.block_size // int(c))
+                                        for c in FLAGS.commits]
+      ar = None
+      for name, block, tau, spb in settings:
+        dc = sampler.DecodeConfig(block_size=block, threshold=tau, max_new_tokens=new, eos_ids=(),
+                                  mask_token_id=cfg.mask_token_id, pad_id=0, steps_per_block=spb,
+                                  kv_write=FLAGS.kv_write)
+        mc, fn = sampler.decoder_for(cfg, dc)
+        wall, out, compile_s = time_call(
+            lambda i: sampler.run_decoder(fn, params, toks, lens, dc, jax.random.PRNGKey(i)), FLAGS.repeats)
+        row = dict(name=name, batch=bsz, new_tokens=new, block_size=block, steps_per_block=spb, wall_s=wall,
+                   compile_s=compile_s, tokens_per_s=bsz * new / wall,
+                   nfe_per_seq=float(np.mean(np.asarray(out["nfe"]))), forward_passes=int(out["forward_passes"]))
+        if name == "ar":
+          kv_bytes = (FLAGS.prompt_len + new / 2) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * \
+              cfg.head_dim * jnp.dtype(cfg.jnp_dtype).itemsize * bsz
+          row["roofline_tokens_per_s"] = bsz * hbm * 1e9 / (weight_bytes + kv_bytes) if hbm else None
+          row["roofline_fraction"] = row["tokens_per_s"] / row["roofline_tokens_per_s"] if hbm else None
+          ar = row
+        row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"]
+        rows.append(row)
+        print(f"  new {new} batch {bsz} {name}: {row['tokens_per_s']:.1f} tok/s ({row['speedup']:.2f}x AR), "
+              f"NFE {row['nfe_per_seq']:.1f}, compile {compile_s:.1f}s", flush=True)
+  costs = window_costs(cfg, params, 1, FLAGS.prompt_len + 64)
   print()
-  print("| engine | batch | B | tau | tokens/s | NFE/seq | speedup vs AR (tok/s) | NFE ratio | compile s |")
+  print("| new tokens | batch | decoder | tokens/s | vs AR | NFE/seq | AR roofline tok/s | AR roofline fraction | compile s |")
   print("|---|---|---|---|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['engine']} | {r['batch']} | {r['block_size']} | {r['threshold']} | {r['tokens_per_s']:.1f} | "
-          f"{r['nfe_per_seq']:.1f} | {r['speedup']:.2f}x | {r['nfe_speedup']:.2f}x | {r['compile_s']:.1f} |")
+    rf = r.get("roofline_tokens_per_s")
+    fr = r.get("roofline_fraction")
+    print(f"| {r['new_tokens']} | {r['batch']} | {r['name']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+          f"{r['nfe_per_seq']:.1f} | {'' if rf is None else f'{rf:.0f}'} | {'' if fr is None else f'{fr:.0%}'} | "
+          f"{r['compile_s']:.1f} |")
+  print(f"\nwindow cost at batch 1 (prompt {FLAGS.prompt_len} + 64 cache slots): 1 slot {costs[1] * 1e3:.3f} ms, "
+        f"32 slots {costs[32] * 1e3:.3f} ms ({costs[32] / costs[1]:.2f}x), 64 slots {costs[64] * 1e3:.3f} ms "
+        f"({costs[64] / costs[1]:.2f}x)")
   if FLAGS.json_out:
     with open(FLAGS.json_out, "w") as f:
-      json.dump(rows, f, indent=1)
+      json.dump({"rows": rows, "window_cost_s": costs, "device": kind}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The recipe's quality figures on one workdir: what issues #6 and #7 ask to see, from one script.
+"""The recipe's quality figures on one workdir: what issues #6-#8, #17 and #19 ask to see, from one script.
 
   python benchmarks/recipe_figures.py --config=configs/demo.py --workdir=/tmp/dgr2_demo \
       [--split=valid] [--max_examples=256] [--kl_prompts=64] [--config.x.y=...]
@@ -21,6 +21,8 @@
    log's per-step reward is drawn on different prompts every step, so with the demo's 16 steps of
    16 rollouts its first-vs-last-quarter trend (printed too, from rl/train/metrics.jsonl) is
    mostly prompt noise.
+4. The AR models (sft, teacher_rl) likewise: the mean reward of their own sampled rollouts of the
+   same held-out prompts, which the teacher's RL maximises.
 Then prints the checks of the issues' "Done when" with their measured values.
 """
 
@@ -101,7 +103,7 @@ def heldout_on_policy(config, workdir: str, split: str, n_prompts: int) -> dict:
     src = pipeline.model_dir(workdir, stage)
     if not os.path.isdir(src):
       continue
-    d = opd_stage.distillation(config, oc, task, src, opd_stage.teacher_model_dir(oc, workdir))
+    d = opd_stage.distillation(config, oc, task, src, opd_stage.teacher_model_dir(config, oc, workdir))
     kl_fn = d.token_kl_fn
     kl = {c: [] for c in opd.STUDENT_CONTEXTS}
     rewards = []
@@ -123,6 +125,40 @@ def heldout_on_policy(config, workdir: str, split: str, n_prompts: int) -> dict:
     print(f"held-out on-policy, {stage} model: KL to teacher ({kls}; {oc.student_context} is OPD's "
           f"loss) over {int(out[stage]['kl'][oc.student_context][:, 1].sum())} tokens, mean sampled reward "
           f"{out[stage]['reward']:.4f} over {rows} rollouts", flush=True)
+  return out
+
+
+def heldout_ar_reward(config, workdir: str, split: str, n_prompts: int) -> dict:
+  """{stage: mean reward} of the AR models' (sft, teacher_rl) own sampled rollouts (B = 1,
+  `teacher_rl.temperature`, `teacher_rl.group_size` per prompt; the same keys for both) of
+  `n_prompts` held-out prompts: the expected reward the teacher's RL maximises."""
+  import dataclasses
+  import jax
+  import numpy as np
+  from dgr2_jax.stages import opd as opd_stage
+  from dgr2_jax.stages import pipeline
+  from dgr2_jax.train import grpo, rollouts
+  tc = opd_stage.section(config, "teacher_rl", grpo.rl_config)
+  task = opd_stage.task_setup(config, workdir, split)
+  prompts = {k: v[:n_prompts] for k, v in task["prompts"].items()}
+  per, g = max(1, int(tc.prompts_per_step)), int(tc.group_size)
+  out = {}
+  for stage in ("sft", "teacher_rl"):
+    src = pipeline.model_dir(workdir, stage)
+    if not os.path.isdir(src):
+      continue
+    mc, params = opd_stage.load_policy(config, src)
+    dc = dataclasses.replace(opd_stage.rollout_decode_config(config, task["tids"], mc, tc.temperature),
+                             block_size=1, threshold=1.0)
+    rewards = []
+    for i in range(0, len(prompts["prompt_ids"]) - per + 1, per):
+      chunk = {k: v[i:i + per] for k, v in prompts.items()}
+      roll = rollouts.sample(mc.as_block_diffusion(1), params, chunk["prompt_ids"], chunk["prompt_len"], dc,
+                             jax.random.PRNGKey(2000 + i), g)
+      rewards.append(opd_stage.score_rollouts(roll, chunk, g, task, float(tc.alpha))["rewards"])
+    out[stage] = float(np.concatenate(rewards).mean())
+    print(f"held-out on-policy, {stage} (AR) model: mean sampled reward {out[stage]:.4f} over "
+          f"{sum(len(r) for r in rewards)} rollouts", flush=True)
   return out
 
 
@@ -168,9 +204,21 @@ def main(argv):
           f"{r['reward']:.4f} | {r['nfe']:.1f} | {r['n']} |")
   by = {r["method"]: r for r in rows}
   onp = heldout_on_policy(config, workdir, _SPLIT.value, _KL_PROMPTS.value) if _KL_PROMPTS.value else {}
+  ar_rew = heldout_ar_reward(config, workdir, _SPLIT.value, _KL_PROMPTS.value) if _KL_PROMPTS.value else {}
   trend = rl_reward_trend(workdir)
 
   checks = []
+  if "sft" in ar_rew and "teacher_rl" in ar_rew:
+    a, b = ar_rew["sft"], ar_rew["teacher_rl"]
+    checks.append(("#19 teacher_rl raises the AR model's held-out mean sampled reward (sft -> teacher_rl)",
+                   b > a, f"{a:.4f} -> {b:.4f}"))
+  if "ar_sft" in by and "ar" in by:
+    a, b = by["ar_sft"]["recall1"], by["ar"]["recall1"]
+    checks.append(("#19 teacher_rl Recall@1 not below the SFT model's", b >= a, f"{a:.4f} -> {b:.4f}"))
+  if "speculative" in by and "ar" in by:
+    same = all(by["speculative"][k] == by["ar"][k] for k in ("valid_rate", "recall1", "reward"))
+    checks.append(("#17 speculative row equals the AR row (valid rate, Recall@1, reward)", same,
+                   f"{by['speculative']['recall1']:.4f} vs {by['ar']['recall1']:.4f}"))
   if "ar" in by:
     ar = by["ar"]
     checks.append(("#6 AR teacher valid rate > 0.95", ar["valid_rate"] > 0.95, f"{ar['valid_rate']:.4f}"))
@@ -203,8 +251,9 @@ def main(argv):
     a, b = onp[start]["reward"], onp["rl"]["reward"]
     checks.append((f"#7 RL raises the held-out mean reward of its sampled rollouts ({start} -> rl)",
                    b > a, f"{a:.4f} -> {b:.4f}"))
-  last = rows[-1] if rows else None
-  if last is not None and "ar" in by and last["method"] != "ar":
+  diffusion = [r for r in rows if r["method"] not in ("ar", "ar_sft", "speculative")]
+  last = diffusion[-1] if diffusion else None
+  if last is not None and "ar" in by:
     gap = by["ar"]["recall1"] - last["recall1"]
     checks.append((f"#8 final model ({last['method']}) within 0.01 Recall@1 of the AR teacher",
                    gap <= 0.01, f"{last['recall1']:.4f} vs {by['ar']['recall1']:.4f}"))

@@ -1,8 +1,8 @@
 """The full config tree every stage reads, assembled from each package's section defaults.
 
 Sections: `data`, `sids`, `retriever` (dgr2_jax.data.config), `task`, `eval` (dgr2_jax.task.config),
-`train` (dgr2_jax.train.config), and the ones defined here: `model`, `decode`, `cft`, `opd`, `rl`,
-`bench`, `pipeline`, `hardware`. Presets (`demo.py`, `beauty_*.py`) start from `get_config()` and
+`train` (dgr2_jax.train.config), and the ones defined here: `model`, `decode`, `teacher_rl`, `cft`,
+`opd`, `rl`, `bench`, `pipeline`, `hardware`. Presets (`demo.py`, `beauty_*.py`) start from `get_config()` and
 override fields; `apply_variants(config, arg)` implements the ablation presets selected with the
 `file.py:arg` convention of `ml_collections.config_flags` (e.g. `configs/demo.py:no_cft,block8`).
 
@@ -42,6 +42,10 @@ def model_config() -> ml_collections.ConfigDict:
   c.dtype = "float32"        # activations / matmuls
   c.param_dtype = "float32"  # stored parameters (master weights: train.param_dtype)
   c.remat = False
+  # Attention route (dgr2_jax/model/attention.py): 'xla' (dense, fastest for tiny CPU models),
+  # 'blockwise' (no [T, S] array; any device), 'cudnn', 'auto' (cudnn on GPUs, else blockwise).
+  c.attention_impl = "xla"
+  c.logits_chunk = 0         # positions per vocabulary chunk of the losses; 0 = 64 MiB of logits
   return c
 
 
@@ -60,6 +64,22 @@ def decode_config() -> ml_collections.ConfigDict:
   # never exceeds the paper's budget. Without a budget, a model that is confident nowhere (the
   # naive conversion) decodes one token per step, left to right: AR in disguise, at no speedup.
   c.steps_per_block = 8
+  # 'threshold' (decode/sampler.py) | 'speculative' (decode/speculative.py: this model drafts,
+  # `verifier_dir` verifies; '' = the workdir's AR teacher). Speculative output is the verifier's.
+  c.mode = "threshold"
+  c.verifier_dir = ""
+  # How a finished block's clean K/V are written (decode/sampler.py): 'auto' = 'separate' on CPU,
+  # 'fused' on accelerators; 'fused' | 'separate' force one.
+  c.kv_write = "auto"
+  return c
+
+
+def teacher_rl_config() -> ml_collections.ConfigDict:
+  """The AR teacher's RL (stage teacher_rl: GRPO/DAPO with B = 1 on the SFT model, the paper's GR2)."""
+  from dgr2_jax.train import grpo
+  c = grpo.rl_config()
+  c.lr = 1e-6
+  c.steps = 200
   return c
 
 
@@ -103,12 +123,17 @@ def bench_config() -> ml_collections.ConfigDict:
   c.split = ""               # '' => eval.split
   c.max_examples = 0         # 0 => eval.max_examples
   c.batch_size = 0           # 0 => eval.batch_size
+  # Every row at each of these batch sizes: 1 (the paper's latency regime) and 0 => the eval batch
+  # (throughput); speedups are against the AR row of the same batch size.
+  c.batch_sizes = (1, 0)
+  c.speculative = True       # rows of speculative decoding (the diffusion model drafts, AR verifies)
   return c
 
 
 def pipeline_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.stages = PIPELINE_STAGES  # ablations drop entries; the order is fixed
+  c.speculative_row = True    # a `speculative` row in the ladder (equal to the `ar` row's metrics)
   return c
 
 
@@ -134,6 +159,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = model_config()
   c.decode = decode_config()
   c.cft = cft_config()
+  c.teacher_rl = teacher_rl_config()
   c.opd = opd_config()
   c.rl = rl_config()
   c.bench = bench_config()
@@ -157,6 +183,7 @@ VARIANTS = {
     "": lambda c: None,
     "full": lambda c: None,
     "no_cft": lambda c: _drop(c, "cft"),          # naive conversion -> OPD -> RL
+    "no_teacher_rl": lambda c: _drop(c, "teacher_rl"),  # the SFT model is the AR teacher
     "cft_only": lambda c: _drop(c, "opd", "rl"),
     "opd_no_rl": lambda c: _drop(c, "rl"),
     "rl_no_opd": lambda c: _drop(c, "opd"),

@@ -8,7 +8,8 @@
 workdir/sids/tokens.txt --mask_token '<|mask|>'` (or an HF dir that already holds the SID and
 mask tokens); the tokenizer follows it (task.tokenizer is a reference to model.init_from).
 Paper settings: block size 32, CFT 3 epochs, OPD G'=4 / lr 1e-6 / 128 prompts per step, RL G=8 /
-lr 5e-7 / 600 steps / alpha 0.2 / clip 0.2. The paper's "64 denoising steps" eval budget is
+lr 5e-7 / 600 steps / alpha 0.2 / clip 0.2, and the teacher's own RL (teacher_rl) with RL's
+reward and G. The paper's "64 denoising steps" eval budget is
 `decode.steps_per_block = 8` (configs/base.py explains the mapping), with tau 0.9.
 Same ablation variants as demo.py after ':'.
 """
@@ -20,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import base  # pylint: disable=g-import-not-at-top
 
 
-def paper_config(arg: str, *, fsdp: int, batch_size: int, grad_accum: int):
+def paper_config(arg: str, *, fsdp: int, batch_size: int, grad_accum: int, on_policy_accum: dict):
   c = base.get_config()
   c.data.source = "beauty"
   c.data.dir = ""  # required: --config.data.dir
@@ -33,6 +34,7 @@ def paper_config(arg: str, *, fsdp: int, batch_size: int, grad_accum: int):
   c.model.dtype = "bfloat16"
   c.model.param_dtype = "bfloat16"
   c.model.remat = True
+  c.model.attention_impl = "auto"   # fused cuDNN attention on GPUs, the blockwise route elsewhere
   c.train.param_dtype = "float32"
   c.train.batch_size = batch_size
   c.train.grad_accum_steps = grad_accum
@@ -51,12 +53,25 @@ def paper_config(arg: str, *, fsdp: int, batch_size: int, grad_accum: int):
   c.opd.rollouts_per_prompt = 4
   c.opd.lr = 1e-6
   c.opd.prompts_per_step = 128
+  # The teacher scored exactly inside the step (no cache: README, benchmarks/teacher_cache.py),
+  # rollouts decoded 64 rows (8 per GPU) at a time, and the 512 rollouts of a step accumulated in
+  # micro-batches (launch/dry_run.py prints what each stage holds per device).
+  c.opd.teacher_cache = "none"
+  for sec in (c.opd, c.rl, c.teacher_rl):
+    sec.rollout_batch_size = 64
+  c.opd.grad_accum_steps = on_policy_accum["opd"]
+  c.rl.grad_accum_steps = c.teacher_rl.grad_accum_steps = on_policy_accum["rl"]
   c.rl.group_size = 8
   c.rl.lr = 5e-7
   c.rl.steps = 600
   c.rl.alpha = 0.2
   c.rl.clip_eps = 0.2
   c.rl.clip_eps_high = 0.2
+  # The GR2 teacher's own RL stage (paper: DAPO on the SFT model, same reward and G).
+  c.teacher_rl.group_size = 8
+  c.teacher_rl.alpha = 0.2
+  c.teacher_rl.lr = 5e-7
+  c.teacher_rl.steps = 600
   c.eval.batch_size = 32
   c.bench.thresholds = (1.0, 0.9, 0.6, 0.4)
   c.bench.block_sizes = (32,)
@@ -66,7 +81,7 @@ def paper_config(arg: str, *, fsdp: int, batch_size: int, grad_accum: int):
 
 
 def get_config(arg: str = ""):
-  c = paper_config(arg, fsdp=1, batch_size=64, grad_accum=1)
+  c = paper_config(arg, fsdp=1, batch_size=64, grad_accum=1, on_policy_accum={"opd": 4, "rl": 1})
   # Qwen3-0.6B (config.json of Qwen/Qwen3-0.6B); ignored when model.init_from is set.
   c.model.vocab_size = 151936
   c.model.hidden_size = 1024

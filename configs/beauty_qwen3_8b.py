@@ -6,7 +6,8 @@
   python launch/dry_run.py --config=configs/beauty_qwen3_8b.py   # mesh + per-device memory plan
 
 As beauty_qwen3_0p6b.py, with the parameters and optimizer state fully sharded over the 8 devices
-(FSDP 8) and 4 gradient-accumulation micro-batches per step. The dry run without
+(FSDP 8) and gradient accumulation (SFT/CFT 4 micro-batches per step; OPD 16 over its 512
+rollouts, RL 4 over its 128: 4 rollouts per GPU at a time). The dry run without
 `model.init_from` plans for the Qwen3-8B architecture below.
 """
 
@@ -18,7 +19,8 @@ from configs import beauty_qwen3_0p6b  # pylint: disable=g-import-not-at-top
 
 
 def get_config(arg: str = ""):
-  c = beauty_qwen3_0p6b.paper_config(arg, fsdp=8, batch_size=64, grad_accum=4)
+  c = beauty_qwen3_0p6b.paper_config(arg, fsdp=8, batch_size=64, grad_accum=4,
+                                     on_policy_accum={"opd": 16, "rl": 4})
   # Qwen3-8B (config.json of Qwen/Qwen3-8B); ignored when model.init_from is set.
   c.model.vocab_size = 151936
   c.model.hidden_size = 4096

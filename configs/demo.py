@@ -3,8 +3,9 @@
   python -m dgr2_jax.main --config=configs/demo.py --workdir=/tmp/dgr2_demo
   python -m dgr2_jax.main --config=configs/demo.py:no_cft,block8 --workdir=/tmp/dgr2_demo_ablation
 
-Variants after ':' (comma-separated, see configs/base.py VARIANTS): no_cft, cft_only, opd_no_rl,
-rl_no_opd, weight_none, complementary, block4/8/16/32/64; and `long` (this file only): the same
+Variants after ':' (comma-separated, see configs/base.py VARIANTS): no_cft, no_teacher_rl,
+cft_only, opd_no_rl, rl_no_opd, weight_none, complementary, block4/8/16/32/64; and (this file
+only) `smoke`: every stage at toy size in minutes (the fresh-machine check), and `long`: the same
 run with 5x the CFT steps and 3x the OPD/RL steps (~25 more minutes on 2 cores; in the same
 workdir it reuses the data, the teacher and the naive conversion):
 
@@ -83,6 +84,11 @@ def get_config(arg: str = ""):
   c.rl.group_size = 4
   c.rl.prompts_per_step = 4
   c.rl.lr = 1e-4
+  # The AR teacher's RL (the paper's GR2 = SFT then RL): AR rollouts, the same scale as RL's.
+  c.teacher_rl.steps = 16
+  c.teacher_rl.group_size = 4
+  c.teacher_rl.prompts_per_step = 4
+  c.teacher_rl.lr = 1e-4
   # At most 8 replay canvases per block: exact, since decode.steps_per_block = 8 bounds every
   # block's steps, at ~1/4 the scoring time of 32 (benchmarks/replay_cost.py).
   c.opd.replay_max_segments = 8
@@ -94,4 +100,21 @@ def get_config(arg: str = ""):
     c.cft.steps *= 5
     c.opd.steps *= 3
     c.rl.steps *= 3
-  return base.apply_variants(c, ",".join(n for n in names if n != "long"))
+  if "smoke" in names:
+    smoke(c)
+  return base.apply_variants(c, ",".join(n for n in names if n not in ("long", "smoke")))
+
+
+def smoke(c):
+  """Every stage at toy size, a handful of steps each (minutes on 2 cores): the fresh-machine check
+  of .ci/run and tests/test_pipeline_e2e.py. Not a result, only that everything runs."""
+  c.data.synthetic.num_users, c.data.synthetic.num_items = 60, 40
+  c.sids.num_steps, c.sids.codebook_size, c.retriever.num_epochs = 30, 16, 2
+  c.model.hidden_size, c.model.intermediate_size, c.model.num_hidden_layers, c.model.head_dim = 32, 64, 1, 8
+  c.train.total_steps, c.train.batch_size, c.train.checkpoint_every = 2, 4, 1
+  c.cft.steps = 2
+  c.opd.steps, c.opd.prompts_per_step, c.opd.rollouts_per_prompt = 1, 2, 2
+  for sec in (c.rl, c.teacher_rl):
+    sec.steps, sec.prompts_per_step, sec.group_size = 1, 2, 2
+  c.eval.max_examples, c.eval.batch_size = 4, 4
+  c.bench.max_examples, c.bench.thresholds = 4, (1.0, 0.5)

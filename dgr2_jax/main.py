@@ -9,7 +9,8 @@ Every config field can be overridden with `--config.a.b=value`. `config.stage` p
 point from `STAGES`; each stage module is imported only when it runs, so a missing optional stage
 does not break the others. `validate` checks the config before any work and names the field of
 the first problem it finds. `--config.dry_run=True` prints the mesh and per-device memory plan
-(launch/dry_run.py) and exits without allocating anything.
+(launch/dry_run.py) and exits without allocating anything. Library logs (Orbax, TFDS) are kept
+at WARNING; `--verbosity=0` shows their INFO lines too.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ STAGES = {
     "retriever": "dgr2_jax.stages.retriever",
     "traces": "dgr2_jax.stages.traces",
     "sft": "dgr2_jax.stages.sft",
+    "teacher_rl": "dgr2_jax.stages.teacher_rl",
     "convert": "dgr2_jax.stages.convert",
     "cft": "dgr2_jax.stages.cft",
     "opd": "dgr2_jax.stages.opd",
@@ -53,7 +55,11 @@ ACCEPT = ("top1", "promote")
 LOSS_WEIGHTINGS = ("1/t", "none")  # dgr2_jax.train.cft.WEIGHTINGS
 OPD_TEACHERS = ("ar", "self_tau1")  # dgr2_jax.train.opd.TEACHERS
 OPD_STUDENT_CONTEXTS = ("prefix", "replay")  # dgr2_jax.train.opd.STUDENT_CONTEXTS
+OPD_TEACHER_CACHES = ("full", "none", "topk")  # dgr2_jax.train.opd.TEACHER_CACHES
 DTYPES = ("float32", "bfloat16", "float16")
+DECODE_MODES = ("threshold", "speculative")  # dgr2_jax.decode.speculative.MODES
+ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn")  # dgr2_jax.model.attention.IMPLS
+KV_WRITES = ("auto", "fused", "separate")  # dgr2_jax.decode.sampler.KV_WRITES
 SCHEDULES = ("cosine", "constant")
 
 
@@ -122,6 +128,16 @@ def _check_decode(d, name: str = "decode"):
   spb = d.get("steps_per_block", 0)
   if isinstance(spb, bool) or not isinstance(spb, int) or spb < 0:
     _fail(f"{name}.steps_per_block", f"must be an int >= 0 (0 = no budget), got {spb!r}")
+  if d.get("mode", "threshold") not in DECODE_MODES:
+    _fail(f"{name}.mode", f"must be one of {list(DECODE_MODES)}, got {d.mode!r}")
+  if d.get("kv_write", "auto") not in KV_WRITES:
+    _fail(f"{name}.kv_write", f"must be one of {list(KV_WRITES)}, got {d.kv_write!r}")
+  if d.get("mode", "threshold") == "speculative":
+    if d.block_size < 2:
+      _fail(f"{name}.block_size", f"must be >= 2 with {name}.mode='speculative' (the drafter's blocks), got "
+            f"{d.block_size}")
+    if d.get("verifier_dir", ""):
+      _exists(f"{name}.verifier_dir", d.verifier_dir, "verifier model directory")
 
 
 def _runs(config) -> set:
@@ -216,6 +232,10 @@ def validate(config, workdir: str | None) -> None:
     m = c.model
     for f in ("dtype", "param_dtype"):
       _one_of(c, "model", f, DTYPES)
+    if "attention_impl" in m:
+      _one_of(c, "model", "attention_impl", ATTENTION_IMPLS)
+    if "logits_chunk" in m:
+      _positive_int(c, "model", "logits_chunk", 0)
     if m.init_from:
       if runs & {"sft"}:
         _exists("model.init_from", m.init_from, "model directory")
@@ -247,7 +267,7 @@ def validate(config, workdir: str | None) -> None:
     if sum(d == -1 for d in dims) > 1 or any(d == 0 or d < -1 for d in dims):
       _fail("train.mesh", f"each axis must be >= 1 and at most one -1, got {tr.mesh.to_dict()}")
 
-  for sec in ("cft", "opd", "rl"):
+  for sec in ("teacher_rl", "cft", "opd", "rl"):
     for f in ("init_from", "teacher_dir"):
       if sec in c and c[sec].get(f) and sec in runs:
         _exists(f"{sec}.{f}", c[sec][f], "model directory")
@@ -261,16 +281,28 @@ def validate(config, workdir: str | None) -> None:
         _fail("opd.student_context", "must be 'replay' with opd.teacher='self_tau1'")
     if float(c.opd.lr) <= 0:
       _fail("opd.lr", f"must be > 0, got {c.opd.lr}")
-  if "rl" in c:
-    _positive_int(c, "rl", "group_size", 2)
-    _positive_int(c, "rl", "steps")
-    if float(c.rl.lr) <= 0:
-      _fail("rl.lr", f"must be > 0, got {c.rl.lr}")
-    if not 0.0 <= float(c.rl.alpha) <= 1.0:
-      _fail("rl.alpha", f"must be in [0, 1], got {c.rl.alpha}")
+    if c.opd.get("teacher_cache", "full") not in OPD_TEACHER_CACHES:
+      _fail("opd.teacher_cache", f"must be one of {list(OPD_TEACHER_CACHES)}, got {c.opd.teacher_cache!r}")
+    if c.opd.get("teacher_cache", "full") == "none" and c.opd.teacher != "ar":
+      _fail("opd.teacher_cache", f"'none' scores the AR teacher in the step; teacher {c.opd.teacher!r} needs "
+            "'full' or 'topk'")
+    for sec in ("opd", "rl"):
+      rb = c[sec].get("rollout_batch_size", 0)
+      if isinstance(rb, bool) or not isinstance(rb, int) or rb < 0:
+        _fail(f"{sec}.rollout_batch_size", f"must be an int >= 0 (0 = all rollouts at once), got {rb!r}")
+  for sec in ("teacher_rl", "rl"):
+    if sec not in c:
+      continue
+    _positive_int(c, sec, "group_size", 2)
+    _positive_int(c, sec, "steps")
+    _positive_int(c, sec, "prompts_per_step")
+    if float(c[sec].lr) <= 0:
+      _fail(f"{sec}.lr", f"must be > 0, got {c[sec].lr}")
+    if not 0.0 <= float(c[sec].alpha) <= 1.0:
+      _fail(f"{sec}.alpha", f"must be in [0, 1], got {c[sec].alpha}")
     for f in ("clip_eps", "clip_eps_high"):
-      if not 0.0 < float(c.rl[f]) < 1.0:
-        _fail(f"rl.{f}", f"must be in (0, 1), got {c.rl[f]}")
+      if not 0.0 < float(c[sec][f]) < 1.0:
+        _fail(f"{sec}.{f}", f"must be in (0, 1), got {c[sec][f]}")
 
   if "eval" in c:
     _one_of(c, "eval", "split", SPLITS)
@@ -287,6 +319,9 @@ def validate(config, workdir: str | None) -> None:
     for tau in b.thresholds:
       if not 0.0 < float(tau) <= 1.0:
         _fail("bench.thresholds", f"every threshold must be in (0, 1], got {tau}")
+    for bsz in b.get("batch_sizes", (0,)):
+      if isinstance(bsz, bool) or not isinstance(bsz, int) or bsz < 0:
+        _fail("bench.batch_sizes", f"every batch size must be an int >= 0 (0 = eval.batch_size), got {bsz!r}")
     for bs in b.block_sizes:
       if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
         _fail("bench.block_sizes", f"every block size must be an int >= 1, got {bs!r}")
@@ -345,6 +380,8 @@ def run(config, workdir: str | None):
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
+  from absl import flags
+  quiet_logs(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)
   config = _CONFIG.value
   if config is None:
     sys.exit("dgr2_jax.main: --config is required (e.g. --config=configs/demo.py)")
@@ -353,6 +390,30 @@ def main(argv):
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"dgr2_jax.main: {e}")
   run(config, _WORKDIR.value)
+
+
+class _QuietLibraries:
+  """Drops the libraries' routine notices a user cannot act on (kept at --verbosity=0)."""
+  NOISE = ("ArrayMetadata persistence is disabled",)
+
+  def filter(self, record) -> bool:
+    return not any(n in record.getMessage() for n in self.NOISE)
+
+
+def quiet_logs(verbosity: int) -> None:
+  """Library logs (Orbax, TFDS, JAX) at WARNING unless `--verbosity` >= 0 asks for INFO; our own
+  messages are prints and progress bars, so a newcomer sees those."""
+  import logging as py_logging
+  from absl import logging
+  if verbosity < 0:
+    logging.set_verbosity(logging.WARNING)
+    logging.get_absl_logger().addFilter(_QuietLibraries())
+    try:
+      import tensorflow_datasets as tfds
+      tfds.disable_progress_bar()
+    except ImportError:
+      pass
+    py_logging.getLogger("jax").setLevel(py_logging.WARNING)
 
 
 if __name__ == "__main__":

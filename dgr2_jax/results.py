@@ -2,9 +2,10 @@
 
 `workdir/results/accuracy.{md,json}`: one row per method of the ladder (pre_rank, ar, naive, cft,
 cft_opd, cft_opd_rl; methods of ablated stages are absent) with the eval metric keys.
-`workdir/results/frontier.{md,json,png}`: one row per (block_size, threshold) plus the AR row, with
-recall@1, valid_rate, tokens_per_s, nfe_per_seq, speedup (tokens/s over AR) and nfe_speedup; the
-PNG plots Recall@1 against speedup. Every JSON carries the machine, library versions and the
+`workdir/results/frontier.{md,json,png}`: one row per (decoder, batch size, block_size, threshold)
+plus the AR row of each batch size, with recall@1, valid_rate, tokens_per_s, nfe_per_seq, speedup
+(tokens/s over AR at the same batch size), nfe_speedup and, for speculative rows, the drafts
+accepted per verifier pass; the PNG plots Recall@1 against speedup. Every JSON carries the machine, library versions and the
 config hash, so a table is never separated from what produced it. Files are written atomically.
 """
 
@@ -20,8 +21,8 @@ from dgr2_jax.stages import common
 ACCURACY_COLUMNS = ("method", "recall@1", "recall@3", "ndcg@3", "valid_rate", "duplicate_rate",
                     "omission_rate", "out_of_set_rate", "unparseable_rate", "fallback_rate",
                     "mean_nfe", "mean_reasoning_tokens", "n")
-FRONTIER_COLUMNS = ("block_size", "threshold", "recall@1", "valid_rate", "tokens_per_s",
-                    "nfe_per_seq", "speedup", "nfe_speedup", "n")
+FRONTIER_COLUMNS = ("decoder", "batch_size", "block_size", "threshold", "recall@1", "valid_rate",
+                    "tokens_per_s", "nfe_per_seq", "speedup", "nfe_speedup", "accepted_per_pass", "n")
 
 
 def machine_info() -> dict:
@@ -98,23 +99,26 @@ def write_accuracy(out_dir: str, rows: Sequence[dict], m: dict) -> list:
 
 
 def plot_frontier(rows: Sequence[dict], path: str) -> None:
-  """Recall@1 vs speedup, one line per block size (AR: the reference point at speedup 1)."""
+  """Recall@1 vs speedup, one line per (decoder, block size, batch size) (AR: the reference point
+  at speedup 1)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(5.5, 4))
-  by_block = {}
+  groups = {}
   for r in rows:
-    by_block.setdefault(r["block_size"], []).append(r)
-  for b, rs in sorted(by_block.items()):
+    groups.setdefault((r.get("decoder", "threshold"), r["block_size"], r.get("batch_size")), []).append(r)
+  for (dec, b, batch), rs in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
     rs = sorted(rs, key=lambda r: r["speedup"] or 0.0)
     xs = [r["speedup"] for r in rs]
     ys = [r["recall@1"] for r in rs]
+    at = f", batch {batch}" if batch is not None else ""
     if b == 1:
-      ax.scatter(xs, ys, marker="*", s=120, color="k", label="AR (B=1)", zorder=3)
+      ax.scatter(xs, ys, marker="*", s=120, color="k", label=f"AR (B=1){at}" if batch in (None, 1) else None,
+                 zorder=3)
       continue
-    ax.plot(xs, ys, marker="o", label=f"B={b}")
+    ax.plot(xs, ys, marker="o" if dec == "threshold" else "s", label=f"{dec} B={b}{at}")
     for r in rs:
       ax.annotate(f"τ={r['threshold']:g}", (r["speedup"], r["recall@1"]), fontsize=7,
                   xytext=(3, 3), textcoords="offset points")

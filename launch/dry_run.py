@@ -10,12 +10,10 @@ configs prints on a laptop CPU. Per device:
     `train.logical_axis_rules` exactly as the training loop shards them (dgr2_jax.train.mesh);
   * optimizer state: optax's state of `train.optimizer` (Adam mu/nu mirror the parameters and
     share their sharding; counters replicated);
-  * activations (estimate): per micro-batch of `train.batch_size / grad_accum_steps / (data*fsdp)`
-    rows of the longest training layout, the CFT two-stream sequence `P + 2R` (prompt_len +
-    2 * response_len). Per layer and token the backward keeps ~5h + 2(q+kv) + 3I values plus two
-    heads x S attention maps (tensor-parallel axes divide heads/mlp); with `model.remat` only each
-    layer's input (h) is kept plus one layer's full set. Logits (f32, value + gradient) of the
-    response positions, vocabulary divided by the tensor axis; the boolean mask S x S.
+  * per training stage (sft, teacher_rl, cft, opd, rl): activations, logits (in chunks of
+    positions) and OPD's teacher cache, plus the rollout decode, by the formulas of
+    `dgr2_jax/train/memory_plan.py` (the ones benchmarks/stage_memory.py measures on CPU); OPD
+    also holds a frozen copy of the teacher's params. The plan fits when its largest stage does.
   * decode KV cache for `eval.batch_size` rows of prompt_len + decode.max_new_tokens (inference).
 The model is `model.init_from`'s config.json when set (weights are not read), else the
 architecture fields of `config.model` (vocab_size 0 => task.demo_vocab_size, an estimate).
@@ -97,46 +95,41 @@ def plan(config) -> dict:
   opt_b = _sharded_bytes(o_shapes, o_sh)
   grads_b = params_b
 
-  # Activations (estimate; see the module docstring).
-  data, fsdp, tensor = dims
-  tk = config.task
-  seq = int(tk.prompt_len) + 2 * int(tk.response_len)
-  micro = int(tc.batch_size) // int(tc.grad_accum_steps)
-  rows = max(1, math.ceil(micro / (data * fsdp)))
-  d = _dtype_bytes(mc.dtype)
-  h, inter = mc.hidden_size, mc.intermediate_size
-  q = mc.num_attention_heads * mc.head_dim
-  kv = mc.num_key_value_heads * mc.head_dim
-  heads_local = max(1, mc.num_attention_heads // tensor)
-  per_tok_full = (5 * h + 2 * (q + kv) / tensor + 3 * inter / tensor + 2 * heads_local * seq) * d
-  layer_full = rows * seq * per_tok_full
-  if mc.remat:
-    act = mc.num_hidden_layers * rows * seq * h * d + layer_full
-  else:
-    act = mc.num_hidden_layers * layer_full
-  logits = rows * 2 * int(tk.response_len) * math.ceil(mc.vocab_size / tensor) * 4 * 2
-  mask = rows * seq * seq
-  act_b = int(act + logits + mask)
+  # Per training stage: activations, logits and teacher cache (dgr2_jax/train/memory_plan.py, the
+  # formulas benchmarks/stage_memory.py checks against measurements).
+  from dgr2_jax.train import memory_plan
+  on = tuple(config.pipeline.stages) if "pipeline" in config else memory_plan.TRAIN_STAGES
+  frozen_b = params_b * _dtype_bytes(mc.param_dtype) // _dtype_bytes(tc.param_dtype)  # a frozen teacher/ref copy
+  stages = []
+  for st in memory_plan.TRAIN_STAGES:
+    if st not in on:
+      continue
+    row = memory_plan.plan_stage(config, mc, st, dims)
+    teacher = frozen_b if st == "opd" else 0
+    row["frozen_teacher"] = teacher
+    row["total_train"] = params_b + opt_b + grads_b + teacher + max(row["total"], row["decode"])
+    stages.append(row)
+  total = max([r["total_train"] for r in stages] or [params_b + opt_b + grads_b])
 
   eval_rows = int(config.eval.batch_size)
   dec = config.get("decode")
+  tk = config.task
+  d = _dtype_bytes(mc.dtype)
+  kv = mc.num_key_value_heads * mc.head_dim
   slots = int(tk.prompt_len) + (int(dec.max_new_tokens) if dec is not None else int(tk.response_len))
   kv_b = int(mc.num_hidden_layers * 2 * eval_rows * slots * kv * d)
   params_infer_b = int(n_params * _dtype_bytes(mc.param_dtype))
-
-  total = params_b + opt_b + grads_b + act_b
   cap = float(config.hardware.device_memory_gb) * 1e9
   return {
       "model_source": src, "model": {k: getattr(mc, k) for k in (
           "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-          "num_attention_heads", "num_key_value_heads", "head_dim", "dtype", "remat")},
+          "num_attention_heads", "num_key_value_heads", "head_dim", "dtype", "remat", "attention_impl")},
       "num_params": n_params, "num_devices": n_dev,
       "mesh": dict(zip(mesh_lib.AXES, dims)), "logical_axis_rules": [list(r) for r in rules],
       "master_dtype": tc.param_dtype,
       "per_device_bytes": {"params": params_b, "optimizer": opt_b, "gradients": grads_b,
-                           "activations_estimate": act_b, "total_train": total},
-      "activation_layout": {"micro_batch_rows_per_device": rows, "sequence": seq,
-                            "remat": bool(mc.remat)},
+                           "total_train": total},
+      "stages": stages,
       "inference_bytes": {"params_unsharded": params_infer_b, "kv_cache": kv_b,
                           "eval_batch": eval_rows, "slots": slots},
       "device_memory_bytes": cap or None,
@@ -152,21 +145,27 @@ def format_plan(p: dict) -> str:
       f"model ({p['model_source']}): {p['num_params'] / 1e6:,.1f} M params; hidden "
       f"{m['hidden_size']}, layers {m['num_hidden_layers']}, heads {m['num_attention_heads']}/"
       f"{m['num_key_value_heads']}, head_dim {m['head_dim']}, vocab {m['vocab_size']}, "
-      f"compute {m['dtype']}, remat {m['remat']}",
+      f"compute {m['dtype']}, remat {m['remat']}, attention {m['attention_impl']}",
       f"mesh over {p['num_devices']} devices: " + " x ".join(f"{k}={v}" for k, v in p["mesh"].items()),
       f"per-device memory (train; master weights {p['master_dtype']}):",
       f"  params       {g(pd['params'])}",
       f"  optimizer    {g(pd['optimizer'])}",
       f"  gradients    {g(pd['gradients'])}",
-      f"  activations  {g(pd['activations_estimate'])}  (estimate: "
-      f"{p['activation_layout']['micro_batch_rows_per_device']} rows x "
-      f"{p['activation_layout']['sequence']} tokens per micro-batch)",
-      f"  total        {g(pd['total_train'])}",
   ]
-  if p["device_memory_bytes"]:
-    lines.append(f"  device       {g(p['device_memory_bytes'])}  -> "
-                 f"{'fits' if p['fits'] else 'DOES NOT FIT'} "
-                 f"({100 * pd['total_train'] / p['device_memory_bytes']:.0f}% used)")
+  cap = p["device_memory_bytes"]
+  if p["stages"]:
+    lines.append("  per training stage (rows x sequence per device and micro-batch; logits in chunks of positions):")
+    lines.append(f"    {'stage':<11}{'rows x T':>13}{'activations':>14}{'logits':>13}{'teacher cache':>15}"
+                 f"{'rollout decode':>16}{'total':>13}  fits")
+    for r in p["stages"]:
+      fits = "-" if not cap else ("yes" if r["total_train"] <= cap else "NO")
+      lines.append(f"    {r['stage']:<11}{str(r['rows_per_device']) + ' x ' + str(r['sequence']):>13}"
+                   f"{g(r['activations']):>14}{g(r['logits']):>13}{g(r['teacher_cache']):>15}"
+                   f"{g(r['decode']):>16}{g(r['total_train']):>13}  {fits}")
+  lines.append(f"  total (largest stage) {g(pd['total_train'])}")
+  if cap:
+    lines.append(f"  device       {g(cap)}  -> {'fits' if p['fits'] else 'DOES NOT FIT'} "
+                 f"({100 * pd['total_train'] / cap:.0f}% used by the largest stage)")
   inf = p["inference_bytes"]
   lines.append(f"inference: params {g(inf['params_unsharded'])} unsharded, KV cache "
                f"{g(inf['kv_cache'])} for {inf['eval_batch']} rows x {inf['slots']} slots")

@@ -204,7 +204,7 @@ def test_convert_stage_keeps_weights_and_sets_block_diffusion(dirs, tmp_path):
   with common.atomic_dir(sft, "sfthash") as tmp:  # a finished sft stage holding our model dir
     checkpoint.save_model_dir(os.path.join(tmp, "model"), *checkpoint.load_model_dir(dirs["ours"]),
                               tokenizer_src=dirs["ours"])
-  config = load_config("demo.py")
+  config = load_config("demo.py", "no_teacher_rl")  # convert starts from the SFT model
   config.cft.block_size = 8
   out = convert_stage.run(config, workdir)
   assert out == os.path.join(workdir, "convert")
@@ -227,6 +227,8 @@ def test_convert_stage_keeps_weights_and_sets_block_diffusion(dirs, tmp_path):
   assert checkpoint.load_model_dir(os.path.join(out, "model"))[0].block_size == 4
 
 
-def test_convert_needs_the_sft_model(tmp_path):
-  with pytest.raises(FileNotFoundError, match="run the 'sft' stage before 'convert'"):
+def test_convert_needs_the_teacher_model(tmp_path):
+  with pytest.raises(FileNotFoundError, match="run the 'teacher_rl' stage before 'convert'"):
     convert_stage.run(load_config("demo.py"), str(tmp_path))
+  with pytest.raises(FileNotFoundError, match="run the 'sft' stage before 'convert'"):
+    convert_stage.run(load_config("demo.py", "no_teacher_rl"), str(tmp_path))

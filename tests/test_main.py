@@ -140,10 +140,17 @@ def test_workdir_required_and_unknown_stage_module(tmp_path, monkeypatch):
 
 
 def test_known_values_match_the_packages():
+  from dgr2_jax.decode import sampler, speculative
+  from dgr2_jax.model import attention
+  from dgr2_jax.model import config as model_config
   from dgr2_jax.train import cft, opd
   assert set(main_lib.LOSS_WEIGHTINGS) == set(cft.WEIGHTINGS)
   assert set(main_lib.OPD_TEACHERS) == set(opd.TEACHERS)
   assert set(main_lib.OPD_STUDENT_CONTEXTS) == set(opd.STUDENT_CONTEXTS)
+  assert set(main_lib.OPD_TEACHER_CACHES) == set(opd.TEACHER_CACHES)
+  assert set(main_lib.DECODE_MODES) == set(speculative.MODES)
+  assert set(main_lib.KV_WRITES) == set(sampler.KV_WRITES)
+  assert set(main_lib.ATTENTION_IMPLS) == set(attention.IMPLS) == set(model_config.ATTENTION_IMPLS)
 
 
 def test_variants():
@@ -157,12 +164,20 @@ def test_variants():
   with pytest.raises(ValueError, match="unknown config preset 'block7'"):
     load_config("demo.py", "block7")
   methods = lambda arg: [m for m, _ in pipeline.ladder_methods(load_config("demo.py", arg))]
-  assert methods("") == ["ar", "naive", "cft", "cft_opd", "cft_opd_rl"]
-  assert methods("rl_no_opd") == ["ar", "naive", "cft", "cft_rl"]
-  assert methods("no_cft") == ["ar", "naive", "opd", "opd_rl"]
-  assert methods("opd_no_rl") == ["ar", "naive", "cft", "cft_opd"]
+  # Both AR references (SFT, SFT + RL: the teacher), the diffusion chain, and the speculative row.
+  assert methods("") == ["ar_sft", "ar", "naive", "cft", "cft_opd", "cft_opd_rl", "speculative"]
+  assert methods("rl_no_opd") == ["ar_sft", "ar", "naive", "cft", "cft_rl", "speculative"]
+  assert methods("no_cft") == ["ar_sft", "ar", "naive", "opd", "opd_rl", "speculative"]
+  assert methods("opd_no_rl,no_teacher_rl") == ["ar", "naive", "cft", "cft_opd", "speculative"]
+  assert pipeline.ladder_methods(load_config("demo.py", "no_teacher_rl"))[0] == ("ar", "sft")
+  assert pipeline.ladder_methods(load_config("demo.py"))[1] == ("ar", "teacher_rl")
+  assert pipeline.ladder_methods(load_config("demo.py"))[-1] == ("speculative", "rl")
   assert pipeline.previous_model_stage(load_config("demo.py", "rl_no_opd"), "rl") == "cft"
   assert pipeline.previous_model_stage(load_config("demo.py", "no_cft"), "opd") == "convert"
+  assert pipeline.previous_model_stage(load_config("demo.py"), "convert") == "teacher_rl"
+  assert pipeline.previous_model_stage(load_config("demo.py", "no_teacher_rl"), "convert") == "sft"
+  assert pipeline.teacher_stage(load_config("demo.py")) == "teacher_rl"
+  assert pipeline.teacher_stage(load_config("demo.py", "no_teacher_rl")) == "sft"
   assert pipeline.final_model_stage(load_config("demo.py", "cft_only")) == "cft"
 
 
@@ -201,9 +216,20 @@ def test_dry_run_plan_for_8_gpus():
   assert pd["params"] == 4 * ((n - norms) // 8 + norms)
   assert pd["gradients"] == pd["params"]
   assert abs(pd["optimizer"] - 2 * pd["params"]) < 1024  # Adam mu + nu (+ counters)
-  assert pd["activations_estimate"] > 0 and pd["total_train"] < 80e9 and p["fits"]
+  stages = {r["stage"]: r for r in p["stages"]}
+  assert set(stages) == {"sft", "teacher_rl", "cft", "opd", "rl"}
+  assert all(r["activations"] > 0 and r["logits"] > 0 for r in stages.values())
+  assert stages["opd"]["teacher_cache"] == 0 and pd["total_train"] < 80e9 and p["fits"]
+  assert stages["cft"]["sequence"] == 2560 + 2 * 512 and stages["opd"]["rows_per_device"] == 4
   text = dry.format_plan(p)
-  assert "mesh over 8 devices" in text and "fits" in text
+  assert "mesh over 8 devices" in text and "fits" in text and "teacher cache" in text
+  # The paper's OPD step with the full-vocabulary teacher cache and no accumulation does not fit:
+  # 64 rollouts a device x 512 tokens x 4V bytes of cache, and 64 rows of activations.
+  c2 = load_config("beauty_qwen3_8b.py")
+  c2.opd.teacher_cache, c2.opd.grad_accum_steps = "full", 1
+  q = dry.plan(c2)
+  opd2 = next(r for r in q["stages"] if r["stage"] == "opd")
+  assert opd2["teacher_cache"] == 64 * 512 * 4 * 151936 and not q["fits"]
   # A mesh that does not divide the device count fails naming train.mesh.
   c.train.mesh.fsdp = 3
   with pytest.raises(ValueError, match="train.mesh"):
@@ -252,29 +278,33 @@ def test_results_tables_render(tmp_path):
 def test_ladder_uses_each_model_and_ar_decoding(tmp_path, monkeypatch):
   """run_ladder with the eval stage replaced: which model/decode each row gets, and the table."""
   workdir = str(tmp_path)
-  c = load_config("demo.py", "rl_no_opd")
-  for s in ("sft", "convert", "cft"):  # rl not built: its row is skipped
+  c = load_config("demo.py", "opd_no_rl")
+  for s in ("sft", "teacher_rl", "convert", "cft"):  # opd not built: its rows are skipped
     with common.atomic_dir(os.path.join(workdir, s), f"h-{s}") as tmp:
       os.makedirs(os.path.join(tmp, "model"))
   seen = []
 
   def fake_eval(cfg, wd):
-    seen.append((cfg.eval.name, cfg.eval.model_dir, cfg.decode.block_size, common.model_hash(cfg.eval.model_dir)))
+    seen.append((cfg.eval.name, cfg.eval.model_dir, cfg.decode.block_size, cfg.decode.mode,
+                 common.model_hash(cfg.eval.model_dir)))
     out = os.path.join(wd, "eval", cfg.eval.name)
     with common.atomic_dir(out, "e-" + cfg.eval.name) as tmp:
       common.write_json_atomic(os.path.join(tmp, "metrics.json"), {
-          "recall@1": {"ar": 0.5, "naive": 0.1, "cft": 0.4}[cfg.eval.name], "valid_rate": 1.0,
+          "recall@1": {"ar_sft": 0.45, "ar": 0.5, "naive": 0.1, "cft": 0.4}[cfg.eval.name], "valid_rate": 1.0,
           "n": 7, "decode": cfg.decode.to_dict(), "prerank_floor": {"recall@1": 0.2, "n": 7}})
     return out
 
   from dgr2_jax.stages import eval as eval_stage
   monkeypatch.setattr(eval_stage, "run", fake_eval)
   obj = pipeline.run_ladder(c, workdir)
-  assert seen == [("ar", os.path.join(workdir, "sft", "model"), 1, "h-sft"),
-                  ("naive", os.path.join(workdir, "convert", "model"), 32, "h-convert"),
-                  ("cft", os.path.join(workdir, "cft", "model"), 32, "h-cft")]
+  m = lambda s: os.path.join(workdir, s, "model")
+  assert seen == [("ar_sft", m("sft"), 1, "threshold", "h-sft"), ("ar", m("teacher_rl"), 1, "threshold", "h-teacher_rl"),
+                  ("naive", m("convert"), 32, "threshold", "h-convert"), ("cft", m("cft"), 32, "threshold", "h-cft")]
   assert [(r["method"], r["recall@1"]) for r in obj] == [
-      ("pre_rank", 0.2), ("ar", 0.5), ("naive", 0.1), ("cft", 0.4)]
+      ("pre_rank", 0.2), ("ar_sft", 0.45), ("ar", 0.5), ("naive", 0.1), ("cft", 0.4)]
+  # The speculative row: the final diffusion model drafts, the AR teacher (teacher_rl) verifies.
+  sc = pipeline.method_config(c, workdir, "speculative", "opd")
+  assert (sc.decode.mode, sc.decode.verifier_dir, sc.decode.block_size) == ("speculative", m("teacher_rl"), 32)
   assert os.path.exists(os.path.join(workdir, "results", "accuracy.md"))
 
 

@@ -252,7 +252,8 @@ class BlockWindows:
 def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids: tuple,
             mask_id: int, kv_write: str, params, prompt_tokens, prompt_len, threshold, temperature, top_k,
             top_p, rng, steps_per_block=0):
-  c, bsz = model_config, block_size
+  c, bsz = model_config.replace(scan_layers=False), block_size
+  params = qwen3.unstack_layers(params)  # per-layer params for the KV cache, once per call
   if prompt_tokens.shape[1] < bsz:  # block 0 needs a previous block of prompt slots (pad slots)
     prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (bsz - prompt_tokens.shape[1], 0)))
   b, p = prompt_tokens.shape
@@ -376,6 +377,14 @@ def run_decoder(fn, params, prompt_tokens, prompt_len, dc: DecodeConfig, rng=Non
   rng = np.zeros((2,), np.uint32) if rng is None else rng   # == jax.random.PRNGKey(0)
   return fn(params, prompt_tokens, prompt_len, np.float32(dc.threshold), np.float32(dc.temperature),
             np.int32(dc.top_k), np.float32(dc.top_p), rng, np.int32(dc.steps_per_block))
+
+
+def decode_config_from(section, **ids) -> DecodeConfig:
+  """DecodeConfig from a `config.decode` section (its DecodeConfig fields; others, such as
+  `mode` and `verifier_dir`, are ignored) and the token ids `ids` (eos_ids, mask_token_id,
+  pad_id) the caller resolved."""
+  names = {f.name for f in dataclasses.fields(DecodeConfig)} - set(ids)
+  return DecodeConfig(**{k: section[k] for k in names if k in section}, **ids)
 
 
 def decode_config_for(model_config: Qwen3Config, **kw) -> DecodeConfig:

@@ -38,7 +38,8 @@ Outputs per row: tokens [B,R] (mask id where never emitted), logprob (the verifi
 log-prob of each emitted token, as its own AR decoding records it), commit_round (round that
 emitted each position, -1 never), eos_pos, rounds (= verifier passes), drafter_passes (drafter
 forwards, K/V writes included), accepted (drafts accepted), round_accepts [B,R] (drafts accepted in
-round i, -1 past the last round), and forward_passes / verifier_calls for the batch.
+round i, -1 past the last round), nfe (drafter + verifier forwards), and forward_passes (loop
+iterations) / verifier_calls for the batch.
 decode/reference.py `reference_speculative` is the plain-Python judge of this loop.
 """
 
@@ -69,6 +70,8 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
             mask_id: int, kv_write: str, sampled: bool, accept_all: bool, dparams, vparams, prompt_tokens,
             prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block):
   bsz = block_size
+  dcfg, vcfg = dcfg.replace(scan_layers=False), vcfg.replace(scan_layers=False)
+  dparams, vparams = qwen3.unstack_layers(dparams), qwen3.unstack_layers(vparams)  # per layer, once
   # Block 0 needs a previous block of prompt slots (the drafter) and the verifier a prompt token
   # before the pending one: at least B + 1 prompt slots (pad slots).
   if prompt_tokens.shape[1] < bsz + 1:
@@ -224,8 +227,13 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
                 round_accepts=ra, verifier_calls=st["verifier_calls"] + 1)
 
   def body(st):
-    st = draft(st)
-    st = jax.lax.cond(ready_rows(st).any(), verify, lambda x: x, st)
+    # A complete draft can wait for its verification without changing any output (the draft and
+    # its round's key are fixed), so a batch verifies when at least half of its live rows are
+    # ready or none is still drafting: fewer verifier passes at batch > 1, the same rounds.
+    st = jax.lax.cond((~st["done"] & ~ready_rows(st)).any(), draft, lambda x: x, st)
+    ready, live = ready_rows(st), ~st["done"]
+    go = ready.any() & ((2 * ready.sum() >= live.sum()) | ~(live & ~ready).any())
+    st = jax.lax.cond(go, verify, lambda x: x, st)
     return dict(st, iteration=st["iteration"] + 1)
 
   def cond(st):
@@ -244,10 +252,13 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
   if sampled:
     st["qlp"] = jnp.zeros((b, bsz, dcfg.vocab_size), jnp.float32)
   st = jax.lax.while_loop(cond, body, st)
+  # nfe / commit_step / steps: the threshold decoder's names, so eval and generate read either
+  # (NFE = the row's drafter + verifier forwards after the prefills; a round is its step).
   return dict(tokens=st["canvas"][:, :r], logprob=st["logprob"], commit_round=st["commit_round"],
               eos_pos=st["eos_pos"], rounds=st["rounds"], drafter_passes=st["drafter_passes"],
               accepted=st["accepted"], round_accepts=st["round_accepts"], forward_passes=st["iteration"],
-              verifier_calls=st["verifier_calls"])
+              verifier_calls=st["verifier_calls"], nfe=st["drafter_passes"] + st["rounds"],
+              commit_step=st["commit_round"], steps=st["rounds"])
 
 
 def _to_vocab(lp, v):

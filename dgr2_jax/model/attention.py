@@ -27,6 +27,7 @@ Routes (`impl`, the model config's `attention_impl`):
     whose visible keys are a prefix); any other range (the decoder's window) passes the ranges
     as a boolean mask (a small `[B, 1, W, S]` bias without a backward). `DPA_IMPLEMENTATION`
     lets tests run the same decomposition through XLA's implementation on CPU.
+  * 'auto': 'cudnn' on GPUs, else 'blockwise' (what the real presets use).
 
 Shapes: b batch, T queries, S keys, K kv heads, G = heads // K, D head dim.
 """
@@ -39,7 +40,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("xla", "blockwise", "cudnn")
+IMPLS = ("auto", "xla", "blockwise", "cudnn")
 _NEG = -1e30  # finite: a query with no visible key gets a uniform (not NaN) softmax in 'xla'
 # What the 'cudnn' route passes to jax.nn.dot_product_attention; tests set None (XLA) on CPU.
 DPA_IMPLEMENTATION = "cudnn"
@@ -80,6 +81,8 @@ def attend(q, k, v, mask, impl: str = "xla"):
   `mask`: a bool array [b, T, S] (dense, 'xla' only), `Ranges` or `Streams` (then N = T = S)."""
   if impl not in IMPLS:
     raise ValueError(f"model.attention_impl must be one of {IMPLS}, got {impl!r}")
+  if impl == "auto":  # the fused kernels where they exist, else the memory-efficient pure-JAX route
+    impl = "cudnn" if jax.default_backend() == "gpu" else "blockwise"
   if isinstance(mask, Streams):
     return _streams(q, k, v, mask, impl)
   if not isinstance(mask, Ranges):

@@ -429,9 +429,12 @@ def save_model_dir(path: str, config: Qwen3Config, params: dict, tokenizer_src=N
                    overwrite: bool = False) -> str:
   """Writes our format: `params/` (Orbax) + `config.json` (HF form, "dgr2" block) + tokenizer.
 
-  `params`: numpy or (host-fetchable) jax arrays; each keeps its dtype.
+  `params`: numpy or (host-fetchable) jax arrays; each keeps its dtype. Stacked layers (scanned
+  training, `qwen3.stack_layers`) are written per layer, so every model dir has one layout.
   """
   import orbax.checkpoint as ocp
+  params = qwen3.unstack_layers(params)
+  config = config.replace(scan_layers=False)
   _check_params(path, config, params)
   # Host numpy leaves (jax arrays are fetched to host one by one; numpy ones are not copied).
   params = unflatten({p: np.asarray(a) for p, a in flatten(params).items()})
@@ -519,6 +522,8 @@ def save_hf_dir(path: str, config: Qwen3Config, params: dict, tokenizer_src=None
                 shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
                 progress: bool = False) -> str:
   """Writes an HF directory (transformers loads it) from an in-memory parameter tree."""
+  params = qwen3.unstack_layers(params)
+  config = config.replace(scan_layers=False)
   _check_params(path, config, params)
   flat = flatten(params)
   dtypes = {p: np.dtype(a.dtype) for p, a in flat.items()}

@@ -16,7 +16,10 @@ import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_KINDS = ("causal", "block_causal")
-ATTENTION_IMPLS = ("xla", "blockwise", "cudnn")  # dgr2_jax.model.attention.IMPLS
+ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn")  # dgr2_jax.model.attention.IMPLS
+# Fields a run chooses and a checkpoint does not record (`with_runtime`).
+RUNTIME_FIELDS = ("dtype", "remat", "remat_policy", "scan_layers", "attention_impl", "logits_chunk")
+REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dots")
 # Extra keys we write into config.json so our checkpoints round-trip through HF directories.
 DIFFUSION_KEYS = ("block_size", "mask_token_id", "attention")
 
@@ -43,10 +46,16 @@ class Qwen3Config:
   # Numerics: activations/matmuls in `dtype`, parameters stored in `param_dtype`; logits are f32.
   dtype: str = "float32"
   param_dtype: str = "float32"
-  # Rematerialise each decoder layer in the backward pass (saves activation memory).
+  # Rematerialise each decoder layer in the backward pass (saves activation memory), keeping what
+  # `remat_policy` names (qwen3.REMAT_POLICIES: nothing_saveable, dots_saveable, ...).
   remat: bool = False
+  remat_policy: str = "nothing_saveable"
+  # One `nn.scan` over the stacked layers instead of an unrolled stack (qwen3.stack_layers): the
+  # compile time no longer grows with depth. Training/scoring only; decoding unstacks. Runtime.
+  scan_layers: bool = False
   # Attention route (model/attention.py): 'xla' (einsum over a dense mask), 'blockwise' (pure-JAX
-  # online softmax, no [T, S] array), 'cudnn' (fused GPU kernels). Runtime only, like dtype/remat.
+  # online softmax, no [T, S] array), 'cudnn' (fused GPU kernels), 'auto' (cudnn on GPUs, else
+  # blockwise). Runtime only, like dtype/remat.
   attention_impl: str = "xla"
   # Positions whose vocabulary-sized logits one chunk of a loss holds (model/logits.py); 0 = as many
   # as fit in logits.CHUNK_ELEMENTS f32 values. Runtime only.
@@ -71,6 +80,9 @@ class Qwen3Config:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"model config field '{name}' must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(f"model config field 'remat_policy' must be one of {REMAT_POLICIES}, got "
+                       f"{self.remat_policy!r}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"model config field 'attention_impl' must be one of {ATTENTION_IMPLS}, got "
                        f"{self.attention_impl!r}")
@@ -109,6 +121,15 @@ class Qwen3Config:
 
   def replace(self, **kw) -> "Qwen3Config":
     return dataclasses.replace(self, **kw)
+
+  def with_runtime(self, model_section) -> "Qwen3Config":
+    """This config with the runtime fields (not stored in checkpoints: compute dtype, remat,
+    attention route, logits chunk) a config's `model` section sets."""
+    kw = {k: model_section[k] for k in RUNTIME_FIELDS if model_section is not None and k in model_section}
+    for k in ("remat", "scan_layers"):
+      if k in kw:
+        kw[k] = bool(kw[k])
+    return self.replace(**kw)
 
   def as_block_diffusion(self, block_size: int, mask_token_id: int | None = None) -> "Qwen3Config":
     """The weight-lossless conversion: same tensors, block-causal attention of `block_size`."""

@@ -19,6 +19,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dgr2_jax.model import attention
 from dgr2_jax.model.config import Qwen3Config
@@ -121,6 +122,29 @@ class DecoderLayer(nn.Module):
     return x + MLP(c, name="mlp")(hid), new_cache
 
 
+REMAT_POLICIES = {
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,   # recompute the whole layer
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,         # keep matmul outputs
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+}
+
+
+class ScannedLayer(nn.Module):
+  """A decoder layer as the body of `nn.scan` over the stack (no KV cache: training and scoring)."""
+  config: Qwen3Config
+
+  @nn.compact
+  def __call__(self, x, positions, mask):
+    return _layer_cls(self.config)(self.config, name="layer")(x, positions, mask, None, 0)[0], None
+
+
+def _layer_cls(c: Qwen3Config):
+  if not c.remat:
+    return DecoderLayer
+  return nn.remat(DecoderLayer, static_argnums=(), policy=REMAT_POLICIES[c.remat_policy])
+
+
 class Qwen3(nn.Module):
   config: Qwen3Config
 
@@ -130,12 +154,20 @@ class Qwen3(nn.Module):
     embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.jnp_dtype, param_dtype=c.jnp_param_dtype,
                      embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
     x = embed(tokens)  # [B,T,E]
-    layer_cls = nn.remat(DecoderLayer, static_argnums=()) if c.remat else DecoderLayer
     new_cache = []
-    for i in range(c.num_hidden_layers):
-      x, lc = layer_cls(c, name=f"layers_{i}")(x, positions, mask,
-                                                None if cache is None else cache[i], cache_index)
-      new_cache.append(lc)
+    if c.scan_layers:
+      if cache is not None:
+        raise ValueError("a KV cache needs per-layer params: forward() unstacks scanned layers for it")
+      # One traced layer, scanned over the stacked params [L, ...] (compile time independent of depth).
+      stack = nn.scan(ScannedLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                      in_axes=(nn.broadcast, nn.broadcast), length=c.num_hidden_layers)
+      x, _ = stack(c, name="layers")(x, positions, mask)
+    else:
+      layer_cls = _layer_cls(c)
+      for i in range(c.num_hidden_layers):
+        x, lc = layer_cls(c, name=f"layers_{i}")(x, positions, mask,
+                                                  None if cache is None else cache[i], cache_index)
+        new_cache.append(lc)
     x = RMSNorm(c.hidden_size, c.rms_norm_eps, c.jnp_param_dtype, name="norm")(x)
     if return_hidden:
       return x, (new_cache if cache is not None else None)
@@ -158,9 +190,45 @@ def forward(config: Qwen3Config, params: Params, tokens, positions, mask, cache:
   """tokens, positions [B, T] int; mask [B, T, S] bool -> (f32 logits [B, T, V], new cache or None).
 
   With `return_hidden=True` returns the final-norm hidden states [B, T, E] instead of logits.
+  Params in either layout (`stack_layers`); the config's `scan_layers` picks the computation.
   """
+  config, params = (config.replace(scan_layers=False), unstack_layers(params)) if cache is not None else (
+      config, to_layout(config, params))
   return Qwen3(config).apply({"params": params}, tokens, positions, mask, cache, cache_index,
                              return_hidden)
+
+
+# ---- layouts of the layer parameters: per layer (`layers_3/...`, the HF-named tree every model
+# directory holds) or stacked (`layers/layer/...` with a leading [L] axis, what `nn.scan` trains) --
+def is_stacked(params) -> bool:
+  return "layers" in params
+
+
+def stack_layers(params: Params) -> Params:
+  """Per-layer tree -> stacked tree (leaves [L, ...]); the other entries are shared."""
+  if is_stacked(params):
+    return params
+  names = sorted((k for k in params if k.startswith("layers_")), key=lambda k: int(k.split("_")[1]))
+  out = {k: v for k, v in params.items() if not k.startswith("layers_")}
+  stack = np.stack if isinstance(jax.tree_util.tree_leaves(params[names[0]])[0], np.ndarray) else jnp.stack
+  out["layers"] = {"layer": jax.tree_util.tree_map(lambda *xs: stack(xs), *[params[n] for n in names])}
+  return out
+
+
+def unstack_layers(params: Params) -> Params:
+  """Stacked tree -> per-layer tree (the checkpoint layout)."""
+  if not is_stacked(params):
+    return params
+  layer = params["layers"]["layer"]
+  n = jax.tree_util.tree_leaves(layer)[0].shape[0]
+  out = {k: v for k, v in params.items() if k != "layers"}
+  out.update({f"layers_{i}": jax.tree_util.tree_map(lambda x, i=i: x[i], layer) for i in range(n)})
+  return out
+
+
+def to_layout(config: Qwen3Config, params: Params) -> Params:
+  """`params` in the layout `config.scan_layers` computes with."""
+  return stack_layers(params) if config.scan_layers else unstack_layers(params)
 
 
 def init_params(config: Qwen3Config, rng) -> Params:
@@ -209,10 +277,12 @@ PARAM_LOGICAL_AXES = {
 
 
 def param_logical_axes(params) -> Any:
-  """Pytree of logical-axis tuples with the structure of `params`."""
+  """Pytree of logical-axis tuples with the structure of `params` (stacked layers: a leading
+  unsharded layer axis)."""
   def axes(path, _):
     key = tuple(getattr(p, "key", str(p)) for p in path[-2:])
     if key not in PARAM_LOGICAL_AXES:
       raise KeyError(f"no logical axes for parameter {'/'.join(map(str, key))}")
-    return PARAM_LOGICAL_AXES[key]
+    stacked = getattr(path[0], "key", None) == "layers"
+    return ((None,) if stacked else ()) + PARAM_LOGICAL_AXES[key]
   return jax.tree_util.tree_map_with_path(axes, params)

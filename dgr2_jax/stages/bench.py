@@ -1,17 +1,23 @@
-"""Stage `bench`: the speed/accuracy frontier of threshold decoding against AR decoding.
+"""Stage `bench`: the speed/accuracy frontier of threshold and speculative decoding against AR.
 
-For every block size in `config.bench.block_sizes` and threshold tau in `config.bench.thresholds`
-the diffusion model (`bench.model_dir`, default the last model stage of the pipeline) decodes the
-eval split through the eval stage (same prompts, parser and metrics), and the AR teacher
-(`bench.ar_model_dir`, default `workdir/sft/model`) decodes it with block size 1: the reference
-row. All rows run in one process on one machine.
+For each batch size in `config.bench.batch_sizes` (1 = the paper's latency regime; 0 = the eval
+batch, the throughput regime) the rows are, all in one process on one machine:
+  * `ar`: the AR teacher (`bench.ar_model_dir`, default the pipeline's teacher: `teacher_rl`, else
+    `sft`) decoding with block size 1, the reference of its batch size;
+  * `threshold`: the diffusion model (`bench.model_dir`, default the last model stage of the
+    pipeline) at every block size in `bench.block_sizes` and tau in `bench.thresholds`;
+  * `speculative` (`bench.speculative`): that diffusion model drafting at each tau, the AR teacher
+    verifying (decode/speculative.py): its metrics equal the AR row's, its speed is the question.
+Each row decodes the eval split through the eval stage (same prompts, parser and metrics).
 
 Throughput = generated tokens / decode seconds, where generated tokens are the committed output
 tokens up to and including EOS of every row of every decoded batch (the padding rows of the last
 batch are real work and count), and decode seconds exclude compilation: each row first decodes
 one batch untimed (warm-up), then every batch is timed to `jax.block_until_ready`. Prompt
-rendering, parsing and scoring are not timed. speedup = tokens_per_s / AR tokens_per_s;
-nfe_speedup = AR nfe_per_seq / nfe_per_seq (NFE = forward passes after prefill, per sequence).
+rendering, parsing and scoring are not timed. speedup = tokens_per_s / the AR row's of the same
+batch size; nfe_speedup = its nfe_per_seq / nfe_per_seq (NFE = forward passes after prefill per
+sequence; speculative: drafter + verifier passes). Speculative rows add drafter_passes_per_seq,
+verifier_passes_per_seq and accepted_per_pass (drafts accepted per verifier pass).
 
 Writes `workdir/bench/` (`eval/<row>/` predictions + metrics per row, `frontier.json`, DONE.json)
 and `workdir/results/frontier.{md,json,png}`.
@@ -31,42 +37,47 @@ STAGE = "bench"
 
 
 class TimedGenerate:
-  """`sampler.generate` with a warm-up call and timed decode calls (see the module docstring)."""
+  """A generate function (`sampler.generate` by default) with a warm-up call and timed decode
+  calls (see the module docstring)."""
 
-  def __init__(self):
+  def __init__(self, generate_fn=None):
+    self.generate_fn = generate_fn
     self.seconds = 0.0
     self.tokens = 0
     self.sequences = 0
     self.forward_passes = 0
     self.batches = 0
+    self.stats = {}
     self._warm = False
 
   def __call__(self, model_config, params, prompts, dcfg, rng, max_prompt_len=None):
     import jax
     from dgr2_jax.decode import sampler
+    fn = self.generate_fn or sampler.generate
     if not self._warm:  # compile (and first-touch) outside the timed region
-      jax.block_until_ready(sampler.generate(model_config, params, prompts, dcfg, rng,
-                                             max_prompt_len=max_prompt_len, return_device=True))
+      jax.block_until_ready(fn(model_config, params, prompts, dcfg, rng, max_prompt_len=max_prompt_len,
+                               return_device=True))
       self._warm = True
     t0 = time.perf_counter()
-    out = sampler.generate(model_config, params, prompts, dcfg, rng,
-                           max_prompt_len=max_prompt_len, return_device=True)
+    out = fn(model_config, params, prompts, dcfg, rng, max_prompt_len=max_prompt_len, return_device=True)
     out = jax.block_until_ready(out)
     self.seconds += time.perf_counter() - t0
     out = jax.tree_util.tree_map(np.asarray, out)
-    r = out["tokens"].shape[1]
-    out["output_ids"] = [row[:min(int(e) + 1, r)].tolist()
-                         for row, e in zip(out["tokens"], out["eos_pos"])]
+    out["output_ids"] = sampler.output_ids(out["tokens"], out["eos_pos"])
     self.tokens += sum(len(x) for x in out["output_ids"])
     self.sequences += len(out["output_ids"])
     self.forward_passes += int(out["forward_passes"])
     self.batches += 1
+    for k in ("drafter_passes", "rounds", "accepted"):
+      if k in out:
+        self.stats[k] = self.stats.get(k, 0) + int(out[k].sum())
     return out
 
 
-def measure(config, workdir: str, model_dir: str, block_size: int, threshold: float,
-            out_dir: str, generate_fn=None) -> dict:
-  """One frontier row: eval metrics of `model_dir` decoded at (block_size, threshold) + timing."""
+def measure(config, workdir: str, model_dir: str, block_size: int, threshold: float, out_dir: str,
+            batch_size: int = 0, decoder: str = "threshold", verifier_dir: str = "", generate_fn=None) -> dict:
+  """One frontier row: eval metrics of `model_dir` decoded with `decoder` at (block_size,
+  threshold, batch_size) + timing."""
   from dgr2_jax.stages import eval as eval_stage
   bc = config.bench
   c = config.copy_and_resolve_references()
@@ -77,31 +88,48 @@ def measure(config, workdir: str, model_dir: str, block_size: int, threshold: fl
     c.eval.name = os.path.basename(out_dir)
     c.eval.split = bc.split or c.eval.split
     c.eval.max_examples = bc.max_examples or c.eval.max_examples
-    c.eval.batch_size = bc.batch_size or c.eval.batch_size
+    c.eval.batch_size = batch_size or bc.batch_size or c.eval.batch_size
     c.decode.block_size = int(block_size)
     c.decode.threshold = float(threshold)
-  timed = TimedGenerate() if generate_fn is None else generate_fn
+    c.decode.mode = decoder
+    c.decode.verifier_dir = verifier_dir
+  if generate_fn is None:
+    generate_fn = TimedGenerate(eval_stage.speculative_generate(verifier_dir, config.get("model"))
+                                if decoder == "speculative" else None)
+  timed = generate_fn
   path = eval_stage.run(c, workdir, generate_fn=timed)
   with open(os.path.join(path, "metrics.json")) as f:
     m = json.load(f)
   tps = timed.tokens / timed.seconds if timed.seconds > 0 else None
-  return {"block_size": int(block_size), "threshold": float(threshold),
-          "recall@1": m["recall@1"], "recall@3": m.get("recall@3"), "ndcg@3": m.get("ndcg@3"),
-          "valid_rate": m["valid_rate"], "tokens_per_s": tps, "nfe_per_seq": m["mean_nfe"],
-          "tokens_per_seq": timed.tokens / max(timed.sequences, 1),
-          "forward_passes_per_batch": timed.forward_passes / max(timed.batches, 1),
-          "decode_seconds": timed.seconds, "batches": timed.batches, "n": m["n"],
-          "model_dir": model_dir, "split": c.eval.split}
+  seqs = max(timed.sequences, 1)
+  label = "ar" if decoder == "threshold" and int(block_size) == 1 else decoder
+  row = {"decoder": label, "batch_size": int(c.eval.batch_size), "block_size": int(block_size),
+         "threshold": float(threshold), "recall@1": m["recall@1"], "recall@3": m.get("recall@3"),
+         "ndcg@3": m.get("ndcg@3"), "valid_rate": m["valid_rate"], "tokens_per_s": tps,
+         "nfe_per_seq": m["mean_nfe"], "tokens_per_seq": timed.tokens / seqs,
+         "forward_passes_per_batch": timed.forward_passes / max(timed.batches, 1),
+         "decode_seconds": timed.seconds, "batches": timed.batches, "n": m["n"],
+         "model_dir": model_dir, "split": c.eval.split}
+  st = getattr(timed, "stats", {})
+  if "rounds" in st:
+    row.update(drafter_passes_per_seq=st["drafter_passes"] / seqs, verifier_passes_per_seq=st["rounds"] / seqs,
+               accepted_per_pass=st["accepted"] / max(st["rounds"], 1), verifier_dir=verifier_dir)
+  return row
 
 
 def add_speedups(rows: list[dict]) -> list[dict]:
-  """speedup / nfe_speedup of every row against the AR row (block 1), None without one."""
-  ar = next((r for r in rows if r["block_size"] == 1), None)
+  """speedup / nfe_speedup of every row against the AR row (block 1) of its batch size, None
+  without one."""
+  ar = {}
   for r in rows:
-    ok = ar is not None and ar.get("tokens_per_s") and r.get("tokens_per_s")
-    r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"] if ok else None
-    ok = ar is not None and r.get("nfe_per_seq")
-    r["nfe_speedup"] = ar["nfe_per_seq"] / r["nfe_per_seq"] if ok else None
+    if r["block_size"] == 1 and r.get("decoder", "ar") == "ar":
+      ar.setdefault(r.get("batch_size"), r)
+  for r in rows:
+    a = ar.get(r.get("batch_size"))
+    ok = a is not None and a.get("tokens_per_s") and r.get("tokens_per_s")
+    r["speedup"] = r["tokens_per_s"] / a["tokens_per_s"] if ok else None
+    ok = a is not None and r.get("nfe_per_seq")
+    r["nfe_speedup"] = a["nfe_per_seq"] / r["nfe_per_seq"] if ok else None
   return rows
 
 
@@ -117,12 +145,14 @@ def run(config, workdir: str) -> dict:
       raise ValueError("config.bench.model_dir is empty and the pipeline has no diffusion model "
                        "stage (convert/cft/opd/rl)")
     final = pipeline.model_dir(workdir, stage)
-  ar = bc.ar_model_dir or pipeline.model_dir(workdir, "sft")
-  need = [final] + ([ar] if bc.include_ar else [])
+  ar = bc.ar_model_dir or pipeline.teacher_model_dir(config, workdir)
+  spec = bool(bc.get("speculative", False))
+  need = [final] + ([ar] if bc.include_ar or spec else [])
   for path in need:
     if not os.path.isdir(path):
       raise FileNotFoundError(f"bench: model directory {path} does not exist (run the pipeline "
                               "up to it, or set config.bench.model_dir / ar_model_dir)")
+  batch_sizes = [int(b) or int(bc.batch_size or config.eval.batch_size) for b in bc.get("batch_sizes", (0,))]
   chash = common.config_hash(bc, config.eval, config.task, config.decode, config.get("seed", 0),
                              traces_stage.upstream_hashes(workdir),
                              [common.model_hash(p) for p in need])
@@ -132,16 +162,23 @@ def run(config, workdir: str) -> dict:
       return json.load(f)
   with common.atomic_dir(out, chash, {"stage": STAGE}) as tmp:
     rows = []
-    if bc.include_ar:
-      rows.append(measure(config, workdir, ar, 1, 1.0, os.path.join(tmp, "eval", "ar")))
-      print(f"bench: AR {rows[-1]['tokens_per_s']:.1f} tok/s, R@1 {rows[-1]['recall@1']:.3f}",
-            flush=True)
-    for b in bc.block_sizes:
-      for tau in bc.thresholds:
-        rows.append(measure(config, workdir, final, int(b), float(tau),
-                            os.path.join(tmp, "eval", f"b{b}_t{tau:g}")))
-        print(f"bench: B={b} tau={tau:g} {rows[-1]['tokens_per_s']:.1f} tok/s, "
-              f"R@1 {rows[-1]['recall@1']:.3f}, NFE {rows[-1]['nfe_per_seq']:.1f}", flush=True)
+
+    def add(tag, **kw):
+      rows.append(measure(config, workdir, out_dir=os.path.join(tmp, "eval", tag), **kw))
+      r = rows[-1]
+      extra = f", {r['accepted_per_pass']:.1f} accepted per pass" if "accepted_per_pass" in r else ""
+      print(f"bench: {r['decoder']} batch {r['batch_size']} B={r['block_size']} tau={r['threshold']:g}: "
+            f"{r['tokens_per_s']:.1f} tok/s, R@1 {r['recall@1']:.3f}, NFE {r['nfe_per_seq']:.1f}{extra}", flush=True)
+
+    for batch in batch_sizes:
+      if bc.include_ar:
+        add(f"bs{batch}_ar", model_dir=ar, block_size=1, threshold=1.0, batch_size=batch)
+      for b in bc.block_sizes:
+        for tau in bc.thresholds:
+          add(f"bs{batch}_b{b}_t{tau:g}", model_dir=final, block_size=int(b), threshold=float(tau), batch_size=batch)
+          if spec and int(b) > 1:
+            add(f"bs{batch}_spec_b{b}_t{tau:g}", model_dir=final, block_size=int(b), threshold=float(tau),
+                batch_size=batch, decoder="speculative", verifier_dir=ar)
     add_speedups(rows)
     obj = results.write_frontier(os.path.join(workdir, "results"), rows,
                                  results.meta(chash, bench=common.to_plain(bc)))

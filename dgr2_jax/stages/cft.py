@@ -67,8 +67,9 @@ def run(config, workdir: str) -> str:
     raise ValueError(f"cft: no mask token: the tokenizer in {tok_dir} has no <|mask|> and the model config "
                      "records no mask_token_id (convert the checkpoint with --mask_token)")
   bs = int(cc.block_size)
-  mc = mc.as_block_diffusion(bs, mask_id).replace(dtype=config.model.get("dtype", mc.dtype),
-                                                  remat=bool(config.model.get("remat", False)))
+  mc = mc.as_block_diffusion(bs, mask_id).with_runtime(config.get("model"))
+  from dgr2_jax.model import qwen3
+  params = qwen3.to_layout(mc, params)
   arrays, counts = pipeline.load_split_arrays(config, workdir, "train", tokenizer=tokenizer)
   n = len(arrays["prompt_ids"])
   tconfig = stage_train_config(config, cc, n)

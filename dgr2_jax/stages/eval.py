@@ -13,11 +13,13 @@ parses every output (invalid => the retriever's order, counted as a fallback) an
   out_of_set_rate, unparseable_rate, fallback_rate, mean_nfe, mean_reasoning_tokens, n, plus
   the pre-rank floor of the same examples and the settings used.
 The tokenizer is the model directory's when it has one, else the traces stage's.
+`decode.mode='speculative'`: the model drafts and `decode.verifier_dir` (default the workdir's AR
+teacher) verifies (decode/speculative.py); per example also `rounds` and `accepted`, and the
+metrics gain mean_rounds, accepted_per_round and tokens_per_round.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -33,7 +35,7 @@ from dgr2_jax.task import tokenizer as tok_lib
 from dgr2_jax.task import traces as traces_lib
 
 DECODE_FIELDS = ("block_size", "threshold", "temperature", "top_k", "top_p", "max_new_tokens",
-                 "steps_per_block")
+                 "steps_per_block", "kv_write")
 
 
 def _tokenizer_path(config, workdir: str) -> str:
@@ -48,19 +50,17 @@ def decode_config(config, tids: tok_lib.TokenIds, model_config=None):
   else from the tokenizer; pad from the tokenizer (a dict when the sampler module is
   unavailable, for injected generate functions)."""
   dec = common.to_plain(config.decode) if "decode" in config else {}
-  kw = {k: dec[k] for k in DECODE_FIELDS if k in dec}
-  kw.setdefault("max_new_tokens", config.task.response_len)
+  dec.setdefault("max_new_tokens", config.task.response_len)
   eos = tuple(getattr(model_config, "eos_ids", None) or (tids.eos_id,))
   mask = getattr(model_config, "mask_token_id", None)
-  kw.update(eos_ids=tuple(dec.get("eos_ids") or eos),
-            mask_token_id=dec.get("mask_token_id") or (mask if mask is not None else tids.mask_id),
-            pad_id=tids.pad_id)
+  ids = dict(eos_ids=tuple(dec.get("eos_ids") or eos),
+             mask_token_id=dec.get("mask_token_id") or (mask if mask is not None else tids.mask_id),
+             pad_id=tids.pad_id)
   try:
-    from dgr2_jax.decode.sampler import DecodeConfig
+    from dgr2_jax.decode import sampler
   except ImportError:
-    return kw
-  names = {f.name for f in dataclasses.fields(DecodeConfig)}
-  return DecodeConfig(**{k: v for k, v in kw.items() if k in names})
+    return {**{k: dec[k] for k in DECODE_FIELDS if k in dec}, **ids}
+  return sampler.decode_config_from(dec, **ids)
 
 
 def score_output(out_ids, tokenizer, tids, ex: dict, sids) -> dict:
@@ -78,6 +78,35 @@ def score_output(out_ids, tokenizer, tids, ex: dict, sids) -> dict:
   return rec
 
 
+def verifier_dir(config, workdir: str) -> str | None:
+  """The verifier of `decode.mode='speculative'`: `decode.verifier_dir`, else the workdir's AR
+  teacher (`pipeline.teacher_model_dir`); None for threshold decoding."""
+  dec = config.get("decode", {})
+  if dec.get("mode", "threshold") != "speculative":
+    return None
+  from dgr2_jax.stages import pipeline
+  path = dec.get("verifier_dir", "") or pipeline.teacher_model_dir(config, workdir)
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"config.decode.verifier_dir: verifier model {path!r} does not exist (the AR "
+                            "teacher of the workdir by default: run the sft stage, or set it)")
+  return path
+
+
+def speculative_generate(verifier_path: str, model_section=None):
+  """A `generate_fn` (sampler.generate's signature) decoding speculatively with the verifier."""
+  from dgr2_jax.decode import speculative
+  from dgr2_jax.model.checkpoint import load_model_dir
+  import jax
+  vcfg, vparams = load_model_dir(verifier_path)
+  vcfg = vcfg.with_runtime(model_section)
+  vparams = jax.device_put(vparams)
+
+  def fn(model_config, params, prompts, dcfg, rng=None, max_prompt_len=None, return_device=False):
+    return speculative.generate(model_config, params, vcfg, vparams, prompts, dcfg, rng, max_prompt_len,
+                                return_device=return_device)
+  return fn
+
+
 def run(config, workdir: str, generate_fn=None) -> str:
   ec, tc = config.eval, config.task
   if not ec.model_dir and generate_fn is None:
@@ -85,8 +114,10 @@ def run(config, workdir: str, generate_fn=None) -> str:
   if ec.batch_size < 1:
     raise ValueError(f"config.eval.batch_size must be >= 1, got {ec.batch_size}")
   model_done = common.model_hash(ec.model_dir) if ec.model_dir else None
+  verifier = verifier_dir(config, workdir)
   chash = common.config_hash(ec, tc, config.get("decode", {}), config.get("seed", 0),
-                             traces_stage.upstream_hashes(workdir), model_done)
+                             traces_stage.upstream_hashes(workdir), model_done,
+                             [verifier, common.model_hash(verifier)] if verifier else None)
   name = ec.name or f"{ec.split}-{chash[:8]}"
   out = ec.output_dir or os.path.join(workdir, "eval", name)
   if common.is_fresh(out, chash):
@@ -105,10 +136,16 @@ def run(config, workdir: str, generate_fn=None) -> str:
              for ex in examples]
   model_config = params = None
   if ec.model_dir:
+    import jax
     from dgr2_jax.model.checkpoint import load_model_dir
     model_config, params = load_model_dir(ec.model_dir)
+    model_config = model_config.with_runtime(config.get("model"))
+    params = jax.device_put(params)   # once, not with every decode call
   if generate_fn is None:
-    from dgr2_jax.decode.sampler import generate as generate_fn
+    if verifier:
+      generate_fn = speculative_generate(verifier, config.get("model"))
+    else:
+      from dgr2_jax.decode.sampler import generate as generate_fn
   dcfg = decode_config(config, tids, model_config)
   import jax
   rng = jax.random.PRNGKey(int(config.get("seed", 0)))
@@ -124,8 +161,16 @@ def run(config, workdir: str, generate_fn=None) -> str:
       rec = score_output(out_ids, tokenizer, tids, ex, sids)
       rec.update(prompt_len=len(chunk[i]), nfe=int(np.asarray(res["nfe"])[i]),
                  commit_steps=np.asarray(res["commit_step"])[i][:len(out_ids)].tolist())
+      for k in ("rounds", "accepted"):   # speculative decoding
+        if k in res:
+          rec[k] = int(np.asarray(res[k])[i])
       records.append(rec)
   metrics = metrics_lib.aggregate(records)
+  if records and "rounds" in records[0]:
+    rounds = sum(r["rounds"] for r in records)
+    metrics.update(mean_rounds=rounds / len(records),
+                   accepted_per_round=sum(r["accepted"] for r in records) / max(rounds, 1),
+                   tokens_per_round=sum(len(r["commit_steps"]) for r in records) / max(rounds, 1))
   metrics.update(split=ec.split, model_dir=ec.model_dir, examples=counts,
                  prerank_floor=metrics_lib.prerank_floor([e["target_pos"] for e in examples]),
                  decode=common.to_plain(config.get("decode", {})))

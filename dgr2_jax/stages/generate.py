@@ -17,7 +17,9 @@ Decoding uses static shapes: `config.batch_size` rows (the last batch padded wit
 prompt, whose outputs are dropped) and `config.max_prompt_len` slots (0 => the longest prompt
 rounded up to a multiple of 64). `decode.block_size > 1` on an AR checkpoint converts it on the
 fly (same weights, block-causal attention); that needs a mask token (model config, else the
-tokenizer's `<|mask|>`).
+tokenizer's `<|mask|>`). `decode.mode='speculative'` drafts with `model_dir` and verifies with
+`decode.verifier_dir` (an AR model with the same tokenizer): the output is the verifier's.
+The DecodeConfig comes from `config.decode` as in every stage (`sampler.decode_config_from`).
 """
 
 from __future__ import annotations
@@ -113,10 +115,13 @@ def prompt_slots(prompts, max_prompt_len: int) -> int:
 
 
 def generate_all(model_config, params, prompts, dcfg, batch_size: int, max_prompt_len: int,
-                 seed: int = 0, progress: bool = True) -> list[dict]:
-  """Decodes `prompts` in static batches; one record per prompt, in order."""
+                 seed: int = 0, progress: bool = True, generate_fn=None) -> list[dict]:
+  """Decodes `prompts` in static batches; one record per prompt, in order. `generate_fn`:
+  `sampler.generate` (default) or the speculative one (`eval.speculative_generate`)."""
   import jax
   from dgr2_jax.decode import sampler
+  generate_fn = generate_fn or sampler.generate
+  params = jax.device_put(params)
   rng = jax.random.PRNGKey(seed)
   recs = []
   it = range(0, len(prompts), batch_size)
@@ -125,7 +130,7 @@ def generate_all(model_config, params, prompts, dcfg, batch_size: int, max_promp
     n_real = len(chunk)
     chunk = chunk + [chunk[-1]] * (batch_size - n_real)
     rng, sub = jax.random.split(rng)
-    res = sampler.generate(model_config, params, chunk, dcfg, sub, max_prompt_len=max_prompt_len)
+    res = generate_fn(model_config, params, chunk, dcfg, sub, max_prompt_len=max_prompt_len)
     for i in range(n_real):
       ids = [int(t) for t in res["output_ids"][i]]
       k = len(ids)
@@ -173,14 +178,20 @@ def run(config, workdir: str | None = None) -> str:
       raise ValueError(f"{config.input}:{n}: token id {bad[0]} is outside the vocabulary "
                        f"({model_config.vocab_size})")
   d = config.decode
-  dcfg = sampler.DecodeConfig(
-      block_size=int(d.block_size), threshold=float(d.threshold),
-      temperature=float(d.temperature), top_k=int(d.top_k), top_p=float(d.top_p),
-      max_new_tokens=int(d.max_new_tokens), steps_per_block=int(d.get("steps_per_block", 0)),
-      **_special_ids(model_config, tokenizer, int(d.block_size), config.model_dir))
+  dcfg = sampler.decode_config_from(d, **_special_ids(model_config, tokenizer, int(d.block_size), config.model_dir))
   slots = prompt_slots(prompts, int(config.get("max_prompt_len", 0)))
+  generate_fn = None
+  if d.get("mode", "threshold") == "speculative":
+    from dgr2_jax.stages import eval as eval_stage
+    if not d.get("verifier_dir", ""):
+      raise ValueError("config.decode.verifier_dir is required with decode.mode='speculative' (the AR model "
+                       "that verifies the drafts of config.model_dir)")
+    vcfg = checkpoint.load_model_dir(d.verifier_dir)[0]
+    from dgr2_jax.decode import speculative
+    speculative.check_pair(model_config, vcfg, dcfg.mask_token_id)
+    generate_fn = eval_stage.speculative_generate(d.verifier_dir)
   recs = generate_all(model_config, params, prompts, dcfg, int(config.batch_size), slots,
-                      int(config.get("seed", 0)))
+                      int(config.get("seed", 0)), generate_fn=generate_fn)
   for r in recs:
     r["text"] = (tokenizer.decode(r["output_ids"], skip_special_tokens=False)
                  if tokenizer is not None else None)

@@ -1,8 +1,8 @@
 """Stage `opd`: on-policy distillation of the diffusion student from the frozen AR teacher.
 
 Reads the student (`config.opd.init_from`, else the previous model stage's dir: `workdir/cft/model`
-normally, see `pipeline.previous_model_dir`), the teacher (`config.opd.teacher_dir`, else
-`workdir/sft/model`; not read for teacher 'self_tau1') and the train split's prompts
+normally, see `pipeline.previous_model_dir`), the teacher (`config.opd.teacher_dir`, else the AR
+teacher, `workdir/teacher_rl/model` or `workdir/sft/model`; not read for teacher 'self_tau1') and the train split's prompts
 (`workdir/traces/train.jsonl` via `task.pipeline.load_split_arrays`). Writes `workdir/opd/model`
 (`save_model_dir`, with the tokenizer), `workdir/opd/train/` (checkpoints, metrics.jsonl,
 tensorboard) and DONE.json.
@@ -77,10 +77,13 @@ def section(config, name: str, defaults):
 
 
 def load_policy(config, model_dir: str):
-  """(config, params) of a model dir, with `config.model`'s compute dtype / remat (as CFT does)."""
+  """(config, params) of a model dir, with `config.model`'s runtime fields (compute dtype, remat,
+  attention route, logits chunk: `Qwen3Config.with_runtime`)."""
   from dgr2_jax.model import checkpoint as model_ckpt
+  from dgr2_jax.model import qwen3
   mc, params = model_ckpt.load_model_dir(model_dir)
-  return mc.replace(dtype=config.model.get("dtype", mc.dtype), remat=bool(config.model.get("remat", False))), params
+  mc = mc.with_runtime(config.get("model"))
+  return mc, qwen3.to_layout(mc, params)
 
 
 def rollout_decode_config(config, tids, model_config, temperature: float):
@@ -122,10 +125,11 @@ def prompt_iterator(prompts: dict, prompts_per_step: int, seed: int):
   return pipeline.make_iterator(prompts, prompts_per_step // jax.process_count(), seed=seed)
 
 
-def teacher_model_dir(oc, workdir: str) -> str:
-  """`opd.teacher_dir`, else the workdir's SFT model; '' for the 'self_tau1' teacher."""
+def teacher_model_dir(config, oc, workdir: str) -> str:
+  """`opd.teacher_dir`, else the workdir's AR teacher (`pipeline.teacher_model_dir`: teacher_rl's
+  model when that stage runs, else sft's); '' for the 'self_tau1' teacher."""
   from dgr2_jax.stages import pipeline
-  return "" if oc.teacher == "self_tau1" else (oc.teacher_dir or pipeline.model_dir(workdir, "sft"))
+  return "" if oc.teacher == "self_tau1" else (oc.teacher_dir or pipeline.teacher_model_dir(config, workdir))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,11 +180,10 @@ def distillation(config, oc, task: dict, src: str, teacher_dir: str) -> Distilla
 
   tcfg = None
   if oc.teacher == "ar":
-    tcfg, tparams = model_ckpt.load_model_dir(teacher_dir)
+    tcfg, tparams = load_policy(config, teacher_dir)
     if tcfg.vocab_size != mc.vocab_size:
       raise ValueError(f"teacher {teacher_dir} has vocab {tcfg.vocab_size}, student {src} has {mc.vocab_size}")
-    tcfg = tcfg.as_block_diffusion(1).replace(dtype=mc.dtype, attention_impl=mc.attention_impl,
-                                               logits_chunk=mc.logits_chunk)
+    tcfg = tcfg.as_block_diffusion(1)
     score = jax.jit(functools.partial(opd.ar_teacher_cache, tcfg, top_k=top_k, mask_id=mask_id))
   else:  # frozen copy of the starting student, replayed on the serialised (tau=1) trajectory
     tparams = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params)
@@ -250,9 +253,9 @@ def run(config, workdir: str) -> str:
   if oc.teacher not in opd.TEACHERS:
     raise ValueError(f"config.opd.teacher must be one of {opd.TEACHERS}, got {oc.teacher!r}")
   src = oc.init_from or pipeline.previous_model_dir(config, workdir, STAGE)
-  teacher_dir = teacher_model_dir(oc, workdir)
+  teacher_dir = teacher_model_dir(config, oc, workdir)
   if teacher_dir and not os.path.isdir(teacher_dir):
-    raise FileNotFoundError(f"config.opd.teacher_dir: {teacher_dir} not found (run the sft stage)")
+    raise FileNotFoundError(f"config.opd.teacher_dir: {teacher_dir} not found (run the sft / teacher_rl stage)")
   out = common.stage_dir(workdir, STAGE)
   traces_hash = (common.read_done(common.stage_dir(workdir, "traces")) or {}).get("config_hash")
   chash = common.config_hash(config.seed, oc, config.decode, config.task, config.train.mesh,

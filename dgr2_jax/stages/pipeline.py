@@ -2,12 +2,14 @@
 
 Each stage skips itself when its output in the workdir is fresh (same config hash), so rerunning
 the pipeline after a change redoes only what the change reaches. Model stages write
-`workdir/<stage>/model`; the chain is sft (AR teacher) -> convert (naive block diffusion) -> cft
--> opd -> rl, and an ablation that drops a stage makes the next one start from the previous model
-that exists (`previous_model_stage`).
+`workdir/<stage>/model`; the chain is sft -> teacher_rl (the AR teacher, SFT then RL) -> convert
+(naive block diffusion) -> cft -> opd -> rl, and an ablation that drops a stage makes the next
+one start from the previous model that exists (`previous_model_stage`).
 
 The pipeline's `eval` step is the accuracy ladder: the eval stage once per model in the chain,
-AR decoding (block 1) for the SFT teacher and `config.decode` for the diffusion models, into
+AR decoding (block 1) for the AR models (`ar_sft` and `ar` when `teacher_rl` runs, else `ar`) and
+`config.decode` for the diffusion models, plus (`pipeline.speculative_row`) the final diffusion
+model drafting for the AR teacher (`speculative`, whose metrics equal `ar`'s exactly), into
 `workdir/eval/<method>/`, summarised in `workdir/results/accuracy.{md,json}` (with the pre-rank
 floor of the same examples). The `bench` step writes `workdir/results/frontier.*`.
 """
@@ -18,9 +20,10 @@ import os
 
 from dgr2_jax.stages import common
 
-ORDER = ("data", "sids", "retriever", "traces", "sft", "convert", "cft", "opd", "rl", "eval",
-         "bench")
-MODEL_STAGES = ("sft", "convert", "cft", "opd", "rl")
+ORDER = ("data", "sids", "retriever", "traces", "sft", "teacher_rl", "convert", "cft", "opd", "rl",
+         "eval", "bench")
+MODEL_STAGES = ("sft", "teacher_rl", "convert", "cft", "opd", "rl")
+AR_STAGES = ("sft", "teacher_rl")
 # Ladder method name of each diffusion training stage (prefixed by the earlier ones present).
 _TRAINED = ("cft", "opd", "rl")
 
@@ -31,6 +34,16 @@ def model_dir(workdir: str, stage: str) -> str:
 
 def enabled_stages(config) -> tuple:
   return tuple(config.pipeline.stages) if "pipeline" in config else ORDER
+
+
+def teacher_stage(config) -> str:
+  """The AR teacher's stage: `teacher_rl` (SFT then RL, the paper's GR2) when the pipeline runs
+  it, else `sft`."""
+  return "teacher_rl" if "teacher_rl" in enabled_stages(config) else "sft"
+
+
+def teacher_model_dir(config, workdir: str) -> str:
+  return model_dir(workdir, teacher_stage(config))
 
 
 def previous_model_stage(config, stage: str) -> str:
@@ -58,8 +71,11 @@ def ladder_methods(config) -> list[tuple[str, str]]:
   """[(method, model stage)] of the accuracy ladder for the enabled stages, in order."""
   on = enabled_stages(config)
   out = []
-  if "sft" in on:
-    out.append(("ar", "sft"))
+  if "sft" in on or "teacher_rl" in on:
+    # Both AR references when the teacher is trained with RL: the SFT model and SFT + RL.
+    out.append(("ar", "sft") if "teacher_rl" not in on else ("ar_sft", "sft"))
+  if "teacher_rl" in on:
+    out.append(("ar", "teacher_rl"))
   if "convert" in on:
     out.append(("naive", "convert"))
   chain = []
@@ -67,12 +83,15 @@ def ladder_methods(config) -> list[tuple[str, str]]:
     if s in on:
       chain.append(s)
       out.append(("_".join(chain), s))
+  final = final_model_stage(config)
+  if final and config.get("pipeline", {}).get("speculative_row", False):
+    out.append(("speculative", final))  # the final diffusion model drafts, the AR teacher verifies
   return out
 
 
 def final_model_stage(config) -> str | None:
-  """The last model stage of the chain (what the frontier benchmarks)."""
-  on = [s for s in MODEL_STAGES if s in enabled_stages(config) and s != "sft"]
+  """The last diffusion model stage of the chain (what the frontier benchmarks)."""
+  on = [s for s in MODEL_STAGES if s in enabled_stages(config) and s not in AR_STAGES]
   return on[-1] if on else None
 
 
@@ -84,9 +103,13 @@ def method_config(config, workdir: str, method: str, stage: str):
     c.eval.model_dir = model_dir(workdir, stage)
     c.eval.name = method
     c.eval.output_dir = ""
-    if stage == "sft":  # the AR teacher decodes left to right
+    if stage in AR_STAGES:  # the AR models decode left to right
       c.decode.block_size = 1
       c.decode.threshold = 1.0
+      c.decode.mode = "threshold"
+    if method == "speculative":
+      c.decode.mode = "speculative"
+      c.decode.verifier_dir = c.decode.get("verifier_dir", "") or teacher_model_dir(config, workdir)
   return c
 
 

@@ -2,8 +2,8 @@
 
 Reads the policy (`config.rl.init_from`, else the previous model stage's dir: `workdir/opd/model`
 normally) and the train split's prompts; writes `workdir/rl/model`, `workdir/rl/train/`
-(checkpoints, metrics.jsonl, tensorboard) and DONE.json. The same trainer serves the AR teacher:
-set `rl.init_from` to the SFT model dir and `decode.block_size=1` (B = 1 rollouts and replay).
+(checkpoints, metrics.jsonl, tensorboard) and DONE.json. The same trainer serves the AR teacher
+(stage `teacher_rl`: B = 1 rollouts and replay on the SFT model).
 
 Per step (`rollouts.train_on_policy`): `rl.prompts_per_step` prompts x `rl.group_size` rollouts
 are decoded from the CURRENT params (`config.decode`, temperature `rl.temperature`), parsed and
@@ -13,6 +13,7 @@ batch, so the PPO ratio is 1 at the start of every step unless train.grad_accum_
 the clip matters once updates reuse rollouts). With `rl.kl_coef > 0` a frozen copy of the starting
 params supplies `ref_logp`. Metrics: loss, policy_loss, clip_fraction, ratio_mean, kl_ref,
 reward mean/std, valid_rate, overlong_rate, groups_dropped, mean_nfe, rollout/update time.
+`train_grpo` is the trainer both this stage and `teacher_rl` (the AR teacher's RL) run.
 """
 
 from __future__ import annotations
@@ -32,15 +33,28 @@ STAGE = "rl"
 
 
 def run(config, workdir: str) -> str:
-  from dgr2_jax.model import checkpoint as model_ckpt
   from dgr2_jax.stages import pipeline
+  from dgr2_jax.train import grpo
+  rc = opd_stage.section(config, STAGE, grpo.rl_config)
+  src = rc.init_from or pipeline.previous_model_dir(config, workdir, STAGE)
+  return train_grpo(config, workdir, STAGE, rc, src)
+
+
+def train_grpo(config, workdir: str, stage: str, rc, src: str, decode_overrides: dict | None = None) -> str:
+  """Trajectory-replay GRPO/DAPO of the policy in `src` with the settings `rc` (a `grpo.rl_config`
+  section) -> `workdir/<stage>/`. `decode_overrides` replace `config.decode` fields for the
+  rollouts (the AR teacher's RL: block_size 1, threshold 1)."""
+  from dgr2_jax.model import checkpoint as model_ckpt
   from dgr2_jax.train import grpo, replay, rollouts
 
-  rc = opd_stage.section(config, STAGE, grpo.rl_config)
   if int(rc.group_size) < 2:
-    raise ValueError(f"config.rl.group_size must be >= 2 (group-normalised advantages), got {rc.group_size}")
-  src = rc.init_from or pipeline.previous_model_dir(config, workdir, STAGE)
-  out = common.stage_dir(workdir, STAGE)
+    raise ValueError(f"config.{stage}.group_size must be >= 2 (group-normalised advantages), got {rc.group_size}")
+  if decode_overrides:
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+      for k, v in decode_overrides.items():
+        config.decode[k] = v
+  out = common.stage_dir(workdir, stage)
   traces_hash = (common.read_done(common.stage_dir(workdir, "traces")) or {}).get("config_hash")
   chash = common.config_hash(config.seed, rc, config.decode, config.task, config.train.mesh,
                              config.train.optimizer, src, common.model_hash(src), traces_hash)
@@ -54,13 +68,14 @@ def run(config, workdir: str) -> str:
   policy_cfg = mc.as_block_diffusion(bs, mask_id)
   kl_coef = float(rc.kl_coef)
   dist = dict(temperature=dc.temperature, top_k=dc.top_k, top_p=dc.top_p, mask_id=mask_id)
+  per_call = int(rc.get("rollout_batch_size", 0))
   if kl_coef > 0:
     ref_params = jax.device_put(jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params))
     ref_fn = jax.jit(lambda p, pr, pl, seg: replay.replay_logprobs(policy_cfg, p, pr, pl, seg, bs, **dist))
 
   def make_batch(p, prompts, key):
     roll = rollouts.sample(policy_cfg, p, prompts["prompt_ids"], prompts["prompt_len"], dc, key, g,
-                           rows_per_call=int(rc.get("rollout_batch_size", 0)))
+                           rows_per_call=per_call)
     seg = rollouts.replay_inputs(roll, bs, mask_id, max_segments_per_block=int(rc.replay_max_segments))
     scored = opd_stage.score_rollouts(roll, prompts, g, task, float(rc.alpha))
     adv, keep = grpo.group_advantages(scored["rewards"], g)
@@ -68,7 +83,7 @@ def run(config, workdir: str) -> str:
                  advantages=adv, loss_mask=roll["loss_mask"] & keep[:, None],
                  **{n: seg[n] for n in rollouts.SEGMENT_KEYS})
     if kl_coef > 0:  # scored rollout_batch_size rows at a time, like the decode
-      per = int(rc.get("rollout_batch_size", 0)) or len(batch["prompt"])
+      per = per_call or len(batch["prompt"])
       batch["ref_logp"] = np.concatenate([np.asarray(ref_fn(ref_params, batch["prompt"][i:i + per],
                                                             batch["prompt_len"][i:i + per],
                                                             {n: seg[n][i:i + per] for n in rollouts.SEGMENT_KEYS}))
@@ -84,7 +99,7 @@ def run(config, workdir: str) -> str:
                               clip_high=float(rc.clip_eps_high), kl_coef=kl_coef, **dist)
   state = rollouts.train_on_policy(tconf, train_dir, params=params, loss_fn=loss_fn, make_batch=make_batch,
                                    prompt_iter=opd_stage.prompt_iterator(task["prompts"], pps, int(config.seed)),
-                                   desc=STAGE)
+                                   desc=stage)
   with common.atomic_dir(out, chash, extra={"steps": steps, "source": src, "examples": task["counts"]}) as tmp:
     model_ckpt.save_model_dir(os.path.join(tmp, "model"), mc, state["params"], tokenizer_src=task["tok_dir"])
     if jax.process_index() == 0:

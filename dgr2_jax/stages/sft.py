@@ -32,8 +32,8 @@ def model_from_config(model_cfg, vocab_size: int | None = None, pad_id=None, eos
   if model_cfg.get("init_from", ""):
     from dgr2_jax.model import checkpoint as model_ckpt
     mc, params = model_ckpt.load_model_dir(model_cfg.init_from)
-    mc = mc.replace(dtype=model_cfg.get("dtype", mc.dtype), remat=bool(model_cfg.get("remat", False)))
-    return mc, params
+    mc = mc.with_runtime(model_cfg)
+    return mc, qwen3.to_layout(mc, params)
   fields = {f.name for f in dataclasses.fields(Qwen3Config)}
   kw = {k: v for k, v in model_cfg.items() if k in fields}
   if not kw.get("vocab_size"):

@@ -77,7 +77,7 @@ def opd_config() -> ml_collections.ConfigDict:
   """Defaults for `config.opd` (paper: Appendix A/C)."""
   c = ml_collections.ConfigDict()
   c.init_from = ""             # '' => the previous model stage's dir (workdir/cft/model normally)
-  c.teacher_dir = ""           # '' => workdir/sft/model (the AR teacher); unused for 'self_tau1'
+  c.teacher_dir = ""           # '' => the AR teacher (teacher_rl or sft model); unused for 'self_tau1'
   c.teacher = "ar"             # 'ar' | 'self_tau1' (see dgr2_jax/train/opd.py)
   c.student_context = "replay"  # 'replay' (decode-time canvases) | 'prefix' (P, o_<t; see train/opd.py)
   c.rollouts_per_prompt = 4    # G'

@@ -1,0 +1,103 @@
+"""Per-device memory of each training stage, as formulas over a config (no arrays).
+
+One plan for `launch/dry_run.py` (the 8-GPU plans of the paper presets) and
+`benchmarks/stage_memory.py` (measured against it on CPU at Qwen3's vocabulary). Terms, bytes per
+device for one optimizer step, with rows = micro-batch rows on this device (train.batch_size /
+grad_accum_steps / (data * fsdp)) and T = the stage's sequence:
+  * activations: T x per-token bytes per layer; with remat each layer keeps its input (E values)
+    and one layer at a time its full set (~5E + 2(q + kv) + 3I values), without remat every layer
+    keeps the full set. Attention adds, per layer kept, 'xla': two [heads, T, T] f32 maps (scores
+    and probabilities); 'blockwise'/'cudnn': O(T) (the log-sum-exp and output), with a transient
+    q_block x k_block tile.
+  * logits: the vocabulary terms run in chunks of `positions_per_chunk` positions
+    (model/logits.py); a loss and its gradient hold ~LOGIT_ARRAYS [chunk, V] f32 arrays at once
+    (measured: XLA's temporary memory of the compiled OPD step is 5.3 chunks).
+  * teacher cache (OPD): the step's rollouts on this device x R x bytes per token of
+    `opd.teacher_cache` ('full' 4V, 'topk' 8k + 4, 'none' 0).
+  * decode (rollouts, eval): the KV cache, rows x (P + R) x layers x 2 x kv heads x head_dim in
+    the compute dtype, and a [rows, B, V] chunk of logits.
+Sequences: SFT and the AR teacher's RL `P + R`; CFT `P + 2R` (prompt, clean, one canvas per block);
+OPD and RL replay `P + R + R/B * cap * B` (cap = replay canvases per block).
+"""
+
+from __future__ import annotations
+
+import math
+
+from dgr2_jax.model import logits as logits_lib
+
+LOGIT_ARRAYS = 6          # [chunk, V] f32 arrays a chunked loss + gradient holds at once
+TRAIN_STAGES = ("sft", "teacher_rl", "cft", "opd", "rl")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def cache_bytes_per_token(mode: str, vocab: int, k: int) -> int:
+  return {"full": 4 * vocab, "topk": 8 * k + 4, "none": 0}[mode]
+
+
+def _section(config, name):
+  from dgr2_jax.stages import opd as opd_stage
+  from dgr2_jax.train import grpo, opd
+  defaults = {"opd": opd.opd_config, "rl": grpo.rl_config, "teacher_rl": grpo.rl_config}
+  return opd_stage.section(config, name, defaults[name]) if name in defaults else config[name]
+
+
+def stage_layout(config, stage: str) -> dict:
+  """rows per step (global), micro-batches, sequence T, loss positions, block size of a stage."""
+  tk = config.task
+  p, r = int(tk.prompt_len), int(tk.response_len)
+  bsz = int(config.cft.block_size)
+  if stage == "sft":
+    return dict(rows=int(config.train.batch_size), micro=int(config.train.grad_accum_steps), seq=p + r, loss=r)
+  if stage == "cft":
+    rows = int(config.cft.get("batch_size", 0) or config.train.batch_size)
+    return dict(rows=rows, micro=int(config.train.grad_accum_steps), seq=p + 2 * r, loss=r)
+  sec = _section(config, stage)
+  if stage == "opd":
+    rows = int(sec.prompts_per_step) * int(sec.rollouts_per_prompt)
+  else:
+    rows = int(sec.prompts_per_step) * int(sec.group_size)
+  cap = int(sec.replay_max_segments) or bsz
+  seq = p + r if stage == "teacher_rl" else p + r + (r // bsz) * min(cap, bsz) * bsz
+  return dict(rows=rows, micro=int(sec.grad_accum_steps), seq=seq, loss=r)
+
+
+def plan_stage(config, mc, stage: str, dims: tuple[int, int, int]) -> dict:
+  """Per-device bytes of the activations, logits and teacher cache of one step of `stage` on a
+  mesh (data, fsdp, tensor), and of its rollout decode (KV cache + logits)."""
+  data, fsdp, tensor = dims
+  lay = stage_layout(config, stage)
+  rows = max(1, math.ceil(lay["rows"] / lay["micro"] / (data * fsdp)))
+  t = lay["seq"]
+  d = _DTYPE_BYTES[mc.dtype]
+  h, inter = mc.hidden_size, mc.intermediate_size
+  q = mc.num_attention_heads * mc.head_dim / tensor
+  kv = mc.num_key_value_heads * mc.head_dim / tensor
+  heads = max(1, mc.num_attention_heads // tensor)
+  full_layer = (5 * h + 2 * (q + kv) + 3 * inter / tensor) * d      # bytes per token
+  impl = mc.attention_impl if mc.attention_impl != "auto" else "blockwise"
+  attn_map = (2 * heads * t * 4) if impl == "xla" else (2 * heads * 4)  # per token, per kept layer
+  kept = 1 if mc.remat else mc.num_hidden_layers
+  act = rows * t * (mc.num_hidden_layers * h * d + kept * (full_layer + attn_map))
+  n_pos = rows * lay["loss"]
+  chunk = logits_lib.positions_per_chunk(mc.vocab_size, n_pos, getattr(mc, "logits_chunk", 0))
+  logits = LOGIT_ARRAYS * chunk * math.ceil(mc.vocab_size / tensor) * 4
+  cache = 0
+  if stage == "opd":
+    oc = _section(config, "opd")
+    step_rows = math.ceil(lay["rows"] / (data * fsdp))
+    cache = step_rows * lay["loss"] * cache_bytes_per_token(oc.get("teacher_cache", "full"), mc.vocab_size,
+                                                             int(oc.teacher_top_k))
+  decode = 0
+  if stage in ("teacher_rl", "opd", "rl"):
+    sec = _section(config, stage)
+    dec_rows = int(sec.get("rollout_batch_size", 0)) or lay["rows"]
+    dec_rows = math.ceil(dec_rows / (data * fsdp))
+    slots = int(config.task.prompt_len) + int(config.decode.max_new_tokens)
+    kvc = dec_rows * slots * mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * d / tensor
+    window = 1 if stage == "teacher_rl" else int(config.decode.block_size)
+    per = logits_lib.CHUNK_ELEMENTS // max(window * mc.vocab_size, 1) or 1
+    decode = int(kvc + 4 * min(per, dec_rows) * window * mc.vocab_size * 4)
+  return dict(stage=stage, rows_per_device=rows, micro_batches=lay["micro"], sequence=t, attention=impl,
+              activations=int(act), logits=int(logits), logits_chunk=chunk, teacher_cache=int(cache),
+              decode=decode, total=int(act + logits + cache))
