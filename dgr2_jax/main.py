@@ -15,7 +15,6 @@ at WARNING; `--verbosity=0` shows their INFO lines too.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
 import sys
@@ -25,24 +24,9 @@ from dgr2_jax.task import answer as answer_lib
 from dgr2_jax.task import prompts as prompts_lib
 from dgr2_jax.task import rationale as rationale_lib
 
-# Stage name -> module with `run(config, workdir)`. Imported lazily by `stage_fn`.
-STAGES = {
-    "data": "dgr2_jax.stages.data",
-    "sids": "dgr2_jax.stages.sids",
-    "retriever": "dgr2_jax.stages.retriever",
-    "traces": "dgr2_jax.stages.traces",
-    "sft": "dgr2_jax.stages.sft",
-    "teacher_rl": "dgr2_jax.stages.teacher_rl",
-    "convert": "dgr2_jax.stages.convert",
-    "cft": "dgr2_jax.stages.cft",
-    "opd": "dgr2_jax.stages.opd",
-    "rl": "dgr2_jax.stages.rl",
-    "eval": "dgr2_jax.stages.eval",
-    "bench": "dgr2_jax.stages.bench",
-    "generate": "dgr2_jax.stages.generate",
-    "pipeline": "dgr2_jax.stages.pipeline",
-}
-NO_WORKDIR = ("generate",)  # stages that read/write only explicit paths
+# The stage registry (name -> module with `run(config, workdir)`, imported when it runs) lives with
+# the pipeline that chains the stages; main validates and dispatches.
+from dgr2_jax.stages.pipeline import NO_WORKDIR, ORDER, STAGES, check_available, stage_fn  # noqa: E402,F401
 
 DATA_SOURCES = ("beauty", "synthetic")
 DATA_FORMATS = ("auto", "tsv", "mcauley")
@@ -61,30 +45,6 @@ DECODE_MODES = ("threshold", "speculative")  # dgr2_jax.decode.speculative.MODES
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn")  # dgr2_jax.model.attention.IMPLS
 KV_WRITES = ("auto", "fused", "separate")  # dgr2_jax.decode.sampler.KV_WRITES
 SCHEDULES = ("cosine", "constant")
-
-
-def check_available(names) -> None:
-  """NotImplementedError listing every stage of `names` whose module is absent (nothing imported),
-  so a pipeline does not stop hours in at a stage this checkout lacks."""
-  missing = [n for n in names if n in STAGES and importlib.util.find_spec(STAGES[n]) is None]
-  if missing:
-    raise NotImplementedError(f"stage(s) {missing} are not available in this checkout (no module "
-                              f"{', '.join(STAGES[n] for n in missing)}); drop them from "
-                              "config.pipeline.stages or add the module")
-
-
-def stage_fn(name: str):
-  """The `run` function of stage `name` (imported now); clear errors for unknown/missing ones."""
-  if name not in STAGES:
-    raise ValueError(f"config.stage {name!r} is not a stage; known: {', '.join(STAGES)}")
-  try:
-    module = importlib.import_module(STAGES[name])
-  except ModuleNotFoundError as e:
-    if e.name and STAGES[name].startswith(e.name):
-      raise NotImplementedError(f"stage {name!r} is not available: module {STAGES[name]} does not "
-                                "exist in this checkout") from None
-    raise
-  return module.run
 
 
 # ---- validation ----------------------------------------------------------------------------------
@@ -159,7 +119,6 @@ def validate(config, workdir: str | None) -> None:
   runs = set() if c.get("dry_run", False) else (_runs(c) if "pipeline" in c else {stage})
 
   if "pipeline" in c:
-    from dgr2_jax.stages.pipeline import ORDER
     stages = tuple(c.pipeline.stages)
     for s in stages:
       if s not in ORDER:

@@ -124,7 +124,7 @@ def test_validation_names_the_field(tmp_path, monkeypatch, overrides, field, exc
 def test_workdir_required_and_unknown_stage_module(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="--workdir is required"):
     main_lib.validate(load_config("demo.py"), None)
-  monkeypatch.setitem(main_lib.STAGES, "absent", "dgr2_jax.stages._absent_stage")
+  monkeypatch.setitem(pipeline.STAGES, "absent", "dgr2_jax.stages._absent_stage")
   with pytest.raises(NotImplementedError, match="stage 'absent' is not available"):
     main_lib.stage_fn("absent")
   with pytest.raises(ValueError, match="config.stage 'nope' is not a stage"):
@@ -133,7 +133,7 @@ def test_workdir_required_and_unknown_stage_module(tmp_path, monkeypatch):
   # A pipeline naming an absent stage fails before running any stage.
   c = load_config("demo.py")
   c.pipeline.stages = ("data", "sids")
-  monkeypatch.setitem(main_lib.STAGES, "sids", "dgr2_jax.stages._absent_stage")
+  monkeypatch.setitem(pipeline.STAGES, "sids", "dgr2_jax.stages._absent_stage")
   with pytest.raises(NotImplementedError, match=r"\['sids'\] are not available"):
     main_lib.run(c, str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()

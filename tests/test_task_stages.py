@@ -70,7 +70,7 @@ def test_traces_stage_outputs(traced, workdir):
   mtime = os.path.getmtime(os.path.join(out, "DONE.json"))
   traces_stage.run(cfg, workdir)
   assert os.path.getmtime(os.path.join(out, "DONE.json")) == mtime
-  arr, counts = pipeline.load_split_arrays(cfg, workdir, "train", tokenizer=tok)
+  arr, counts = traces_stage.load_split_arrays(cfg, workdir, "train", tokenizer=tok)
   assert arr["response_ids"].shape == (40, 256) and counts["kept"] == 40
 
 

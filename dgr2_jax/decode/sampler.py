@@ -135,6 +135,11 @@ def window_forward(config, params, tokens, start, cache, prompt_len, prompt_slot
   return qwen3.forward(config, params, tokens, pos, ranges, cache, start, return_hidden=return_hidden)
 
 
+def row_slice(x, start, width: int):
+  """x [B, L, ...] -> [B, width, ...] from per-row start slots start [B]."""
+  return jax.vmap(lambda xi, si: jax.lax.dynamic_slice_in_dim(xi, si, width))(x, start)
+
+
 def _greedy_choice(logits, mask_id):
   """(token, log-prob) of the argmax of softmax(logits) without the mask token: three reductions
   over the logits (max; first index of the max, which XLA's CPU backend runs ~3x faster than its
@@ -220,7 +225,7 @@ class BlockWindows:
     due = first & (block > 0) & ~done                                 # rows owing block j-1's K/V write
 
     def run(start, width, cache):
-      tokens = jax.vmap(lambda xi, si: jax.lax.dynamic_slice_in_dim(xi, si, width))(seq, start)
+      tokens = row_slice(seq, start, width)
       return window_forward(self.config, self.params, tokens, start, cache, self.prompt_len, p,
                             self.positions, return_hidden=True)
 
@@ -270,9 +275,6 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
   cache = qwen3.init_cache(c, b, s)
   hidden, cache = run(prompt_tokens, 0, cache)
   carry = hidden[:, -1]                                               # [B,E]: predicts index 0 of block 0
-
-  def row_slice(x, start, width):  # [B, L] -> [B, width] at per-row starts
-    return jax.vmap(lambda xi, si: jax.lax.dynamic_slice_in_dim(xi, si, width))(x, start)
 
   win = BlockWindows(c, params, prompt_tokens, prompt_len, positions, bsz, num_blocks, kv_write)
 

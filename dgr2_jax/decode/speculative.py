@@ -98,9 +98,6 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
                                      prompt_len, p, pos_v, return_hidden=True)
   win = sampler.BlockWindows(dcfg, dparams, prompt_tokens, prompt_len, pos_d, bsz, num_blocks, kv_write)
 
-  def row_slice(x, start, width):
-    return jax.vmap(lambda xi, si: jax.lax.dynamic_slice_in_dim(xi, si, width))(x, start)
-
   def draft(st):
     """One drafter step of every row still drafting (a K/V write for rows starting a block)."""
     j = st["block"]
@@ -108,7 +105,7 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
     canvas = st["canvas"][:, :r]
     preds, carry, dcache, writing = win.predictions(st["block"], st["first"], st["done"], canvas,
                                                     st["carry"], st["dcache"])
-    block = row_slice(canvas, jc * bsz, bsz)
+    block = sampler.row_slice(canvas, jc * bsz, bsz)
     eos_in = st["eos_draft"] - jc * bsz
     cand = (block == mask_id) & (idx <= eos_in[:, None]) & ~(st["done"] | writing)[:, None]
     has = cand.any(1)
@@ -137,7 +134,7 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
 
   def ready_rows(st):
     j = jnp.minimum(st["block"], num_blocks - 1)
-    block = row_slice(st["canvas"][:, :r], j * bsz, bsz)
+    block = sampler.row_slice(st["canvas"][:, :r], j * bsz, bsz)
     left = (block == mask_id) & (idx <= (st["eos_draft"] - j * bsz)[:, None])
     return ~st["done"] & ~st["first"] & ~left.any(1)
 
@@ -148,9 +145,9 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
     # Masked slots past the drafts may hold an id the verifier lacks (its vocabulary without the
     # mask token): any valid id will do there, those slots predict nothing that is read.
     seq = jnp.minimum(jnp.concatenate([prompt_tokens, st["canvas"]], axis=1), vv - 1)   # [B, p + r + bsz]
-    h, vcache = sampler.window_forward(vcfg, vparams, row_slice(seq, start, bsz + 1), start, st["vcache"],
+    h, vcache = sampler.window_forward(vcfg, vparams, sampler.row_slice(seq, start, bsz + 1), start, st["vcache"],
                                        prompt_len, p, pos_v, return_hidden=True)
-    drafts = row_slice(st["canvas"], n, bsz + 1)                        # d_k at position n + k
+    drafts = sampler.row_slice(st["canvas"], n, bsz + 1)                        # d_k at position n + k
     # Drafts to check: up to the end of the block, or through a drafted EOS.
     n_drafts = jnp.minimum((j + 1) * bsz, st["eos_draft"] + 1) - n     # [B]
     vkeys = jax.vmap(jax.random.fold_in)(verify_keys, st["rounds"])
@@ -165,7 +162,7 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
       in_blk = jnp.clip(n[:, None] + kwin - j[:, None] * bsz, 0, bsz - 1)                     # [B,W]
       qlp = jnp.take_along_axis(st["qlp"], in_blk[..., None], 1)                              # [B,W,Vd]
       qv = _to_vocab(qlp, vv)                                                                 # [B,W,Vv]
-      cs = row_slice(st["cstep"], n, bsz + 1)
+      cs = sampler.row_slice(st["cstep"], n, bsz + 1)
       # The verifiable prefix: commit steps that never decrease (module docstring).
       order_ok = jnp.concatenate([jnp.ones_like(cs[:, :1], bool), cs[:, 1:] >= cs[:, :-1]], 1)
       n_ver = jnp.argmin(jnp.concatenate([order_ok & (kwin < n_drafts[:, None]),

@@ -70,7 +70,7 @@ def run(config, workdir: str) -> str:
   mc = mc.as_block_diffusion(bs, mask_id).with_runtime(config.get("model"))
   from dgr2_jax.model import qwen3
   params = qwen3.to_layout(mc, params)
-  arrays, counts = pipeline.load_split_arrays(config, workdir, "train", tokenizer=tokenizer)
+  arrays, counts = traces_stage.load_split_arrays(config, workdir, "train", tokenizer=tokenizer)
   n = len(arrays["prompt_ids"])
   tconfig = stage_train_config(config, cc, n)
   logging.info("cft: %d examples, %d steps, block size %d", n, tconfig.train.total_steps, bs)

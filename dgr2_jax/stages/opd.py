@@ -3,7 +3,7 @@
 Reads the student (`config.opd.init_from`, else the previous model stage's dir: `workdir/cft/model`
 normally, see `pipeline.previous_model_dir`), the teacher (`config.opd.teacher_dir`, else the AR
 teacher, `workdir/teacher_rl/model` or `workdir/sft/model`; not read for teacher 'self_tau1') and the train split's prompts
-(`workdir/traces/train.jsonl` via `task.pipeline.load_split_arrays`). Writes `workdir/opd/model`
+(`workdir/traces/train.jsonl` via `traces.load_split_arrays`). Writes `workdir/opd/model`
 (`save_model_dir`, with the tokenizer), `workdir/opd/train/` (checkpoints, metrics.jsonl,
 tensorboard) and DONE.json.
 
@@ -45,7 +45,7 @@ def task_setup(config, workdir: str, split: str = "train") -> dict:
   from dgr2_jax.task import tokenizer as tok_lib
   tok_dir = traces_stage.tokenizer_dir(config, workdir)
   tokenizer = tok_lib.load_tokenizer(tok_dir)
-  arrays, counts = pipeline.load_split_arrays(config, workdir, split, tokenizer=tokenizer)
+  arrays, counts = traces_stage.load_split_arrays(config, workdir, split, tokenizer=tokenizer)
   keep = arrays["target_rank_in_candidates"] >= 1
   if not keep.any():
     raise ValueError(f"{workdir}/traces/{split}.jsonl: no {split} example has its target among the candidates")

@@ -16,9 +16,31 @@ floor of the same examples). The `bench` step writes `workdir/results/frontier.*
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 
 from dgr2_jax.stages import common
+
+# Stage name -> module with `run(config, workdir)`. Imported lazily by `stage_fn`, so a missing
+# optional stage does not break the others.
+STAGES = {
+    "data": "dgr2_jax.stages.data",
+    "sids": "dgr2_jax.stages.sids",
+    "retriever": "dgr2_jax.stages.retriever",
+    "traces": "dgr2_jax.stages.traces",
+    "sft": "dgr2_jax.stages.sft",
+    "teacher_rl": "dgr2_jax.stages.teacher_rl",
+    "convert": "dgr2_jax.stages.convert",
+    "cft": "dgr2_jax.stages.cft",
+    "opd": "dgr2_jax.stages.opd",
+    "rl": "dgr2_jax.stages.rl",
+    "eval": "dgr2_jax.stages.eval",
+    "bench": "dgr2_jax.stages.bench",
+    "generate": "dgr2_jax.stages.generate",
+    "pipeline": "dgr2_jax.stages.pipeline",
+}
+NO_WORKDIR = ("generate",)  # stages that read/write only explicit paths
 
 ORDER = ("data", "sids", "retriever", "traces", "sft", "teacher_rl", "convert", "cft", "opd", "rl",
          "eval", "bench")
@@ -26,6 +48,30 @@ MODEL_STAGES = ("sft", "teacher_rl", "convert", "cft", "opd", "rl")
 AR_STAGES = ("sft", "teacher_rl")
 # Ladder method name of each diffusion training stage (prefixed by the earlier ones present).
 _TRAINED = ("cft", "opd", "rl")
+
+
+def check_available(names) -> None:
+  """NotImplementedError listing every stage of `names` whose module is absent (nothing imported),
+  so a pipeline does not stop hours in at a stage this checkout lacks."""
+  missing = [n for n in names if n in STAGES and importlib.util.find_spec(STAGES[n]) is None]
+  if missing:
+    raise NotImplementedError(f"stage(s) {missing} are not available in this checkout (no module "
+                              f"{', '.join(STAGES[n] for n in missing)}); drop them from "
+                              "config.pipeline.stages or add the module")
+
+
+def stage_fn(name: str):
+  """The `run` function of stage `name` (imported now); clear errors for unknown/missing ones."""
+  if name not in STAGES:
+    raise ValueError(f"config.stage {name!r} is not a stage; known: {', '.join(STAGES)}")
+  try:
+    module = importlib.import_module(STAGES[name])
+  except ModuleNotFoundError as e:
+    if e.name and STAGES[name].startswith(e.name):
+      raise NotImplementedError(f"stage {name!r} is not available: module {STAGES[name]} does not "
+                                "exist in this checkout") from None
+    raise
+  return module.run
 
 
 def model_dir(workdir: str, stage: str) -> str:
@@ -145,7 +191,6 @@ def _read_json(path: str) -> dict:
 
 def run(config, workdir: str) -> dict:
   """Runs the enabled stages in order; returns {stage: its return value}."""
-  from dgr2_jax import main as main_lib
   out = {}
   stages = enabled_stages(config)
   for i, s in enumerate(stages):
@@ -153,5 +198,5 @@ def run(config, workdir: str) -> dict:
     if s == "eval":
       out[s] = run_ladder(config, workdir)
     else:
-      out[s] = main_lib.stage_fn(s)(config, workdir)
+      out[s] = stage_fn(s)(config, workdir)
   return out

@@ -79,7 +79,7 @@ def run(config, workdir: str) -> str:
 
   tok_dir = traces_stage.tokenizer_dir(config, workdir)
   tokenizer = tok_lib.load_tokenizer(tok_dir)
-  arrays, counts = pipeline.load_split_arrays(config, workdir, "train", tokenizer=tokenizer)
+  arrays, counts = traces_stage.load_split_arrays(config, workdir, "train", tokenizer=tokenizer)
   logging.info("sft: %s", counts)
   tc = config.train
   n = len(arrays["prompt_ids"])

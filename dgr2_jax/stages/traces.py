@@ -46,6 +46,18 @@ def load_task_data(workdir: str) -> dict:
               candidates={s: api.load_candidates(workdir, s) for s in ("train", "valid", "test")})
 
 
+def load_split_arrays(config, workdir: str, split: str = "train", tokenizer=None) -> tuple[dict, dict]:
+  """Arrays of `workdir/traces/<split>.jsonl` (written by this stage), for the trainers."""
+  path = os.path.join(workdir, "traces", f"{split}.jsonl")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} missing: run --config.stage=traces first")
+  if tokenizer is None:
+    tokenizer = tok_lib.load_tokenizer(tokenizer_dir(config, workdir))
+  items, sids = load_items_sids(workdir)
+  return pipeline_lib.build_arrays(traces_lib.read_jsonl(path), tokenizer, items, sids, config.task,
+                                   desc=f"tokenize {split}")
+
+
 def upstream_hashes(workdir: str) -> list:
   return [(common.read_done(common.stage_dir(workdir, s)) or {}).get("config_hash")
           for s in UPSTREAM]

@@ -159,27 +159,14 @@ def checkpoint_handler() -> grain.checkpoint.CheckpointHandler:
 
 
 def save_iterator_state(iterator, path: str) -> None:
-  """Plain-file alternative to Orbax (one JSON per process)."""
-  from dgr2_jax.stages import common
-  common.write_json_atomic(path, iterator.get_state())
+  """Plain-file alternative to Orbax (one JSON per process), written via a temporary file."""
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(iterator.get_state(), f)
+  os.replace(tmp, path)
 
 
 def restore_iterator_state(iterator, path: str):
   with open(path) as f:
     iterator.set_state(json.load(f))
   return iterator
-
-
-def load_split_arrays(config, workdir: str, split: str = "train",
-                      tokenizer=None) -> tuple[dict, dict]:
-  """Arrays of `workdir/traces/<split>.jsonl` (written by the traces stage), for the trainers."""
-  from dgr2_jax.stages import traces as traces_stage
-  path = os.path.join(workdir, "traces", f"{split}.jsonl")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} missing: run --config.stage=traces first")
-  if tokenizer is None:
-    tokenizer = tok_lib.load_tokenizer(traces_stage.tokenizer_dir(config, workdir))
-  items, sids = traces_stage.load_items_sids(workdir)
-  from dgr2_jax.task import traces as traces_lib
-  return build_arrays(traces_lib.read_jsonl(path), tokenizer, items, sids, config.task,
-                      desc=f"tokenize {split}")

@@ -1,0 +1,179 @@
+"""Where a decoding step's time goes: XLA's op timeline of one decode call, grouped, before and after.
+
+  python benchmarks/decode_profile.py --workdir=/tmp/dgr2_demo [--before=4096371]
+
+Decodes the demo's test prompts with the AR teacher (block size 1) and the final diffusion model
+(block 32, tau 0.9) at batch 1 and 32, under `jax.profiler` (a Perfetto trace of the XLA CPU/GPU
+thunks), and sums the device time of each op by what it belongs to (from its HLO `op_name`):
+attention (scores, masking, softmax, P.V of every layer), mlp, projections (q/k/v/o and norms),
+lm_head (the vocabulary projection), choose (token, confidence, commit rule, sampling) and the rest
+(cache writes, gathers, loop bookkeeping). Per loop iteration, in microseconds.
+`--before=REV` also profiles the decoder as it was at git revision REV (its decode/sampler.py and
+the 5-d einsum attention it used), loaded side by side in this process: the same model, prompts
+and machine, so the two columns compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dgr2_jax.decode import sampler  # noqa: E402
+from dgr2_jax.model import attention  # noqa: E402
+
+GROUPS = (("attention", r"self_attn/(bkqd|bkqs|btkgd|bkgts|jit\(_where\)|reduce_max|reduce_sum|exp|sub|div|softmax)"),
+          ("projections", r"self_attn/(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)|layernorm|/norm/"),
+          ("mlp", r"/mlp/"), ("lm_head", r"e,ev->|ve->"), ("choose", r"branch_\d_fun/(reduce|select|eq|exp|log|argmax|min)|"
+                                                          r"sort|categorical|fold_in|threefry|cumsum|top_k"))
+
+
+def _einsum_dense(q, k, v, mask):
+  """The 5-d einsum attention the decoder used before (for --before)."""
+  d = q.shape[-1]
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32) * d ** -0.5
+  scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jnp.einsum("bkgts,bskd->btkgd", probs, v)
+
+
+def load_before(rev: str):
+  src = subprocess.run(["git", "show", f"{rev}:dgr2_jax/decode/sampler.py"], cwd=REPO, capture_output=True,
+                       text=True, check=True).stdout
+  path = os.path.join(tempfile.mkdtemp(), "sampler_before.py")
+  with open(path, "w") as f:
+    f.write(src)
+  spec = importlib.util.spec_from_file_location("sampler_before", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def profile(call, n: int = 3):
+  jax.block_until_ready(call())
+  d = tempfile.mkdtemp()
+  with jax.profiler.trace(d, create_perfetto_trace=True):
+    for _ in range(n):
+      out = jax.block_until_ready(call())
+  f = glob.glob(f"{d}/**/*.json.gz", recursive=True)[0]
+  tr = json.load(gzip.open(f))
+  ev = tr["traceEvents"] if isinstance(tr, dict) else tr
+  dur = collections.Counter()
+  for e in ev:
+    if e.get("ph") == "X" and "dur" in e and not e["name"].startswith("$") and "Execute" not in e["name"] \
+        and "Pjit" not in e["name"] and e["name"] not in ("DevicePut", "ParseArguments") and "Await" not in e["name"]:
+      dur[e["name"]] += e["dur"] / n
+  return dur, out
+
+
+def group(dur: dict, hlo: str, iterations: int) -> dict:
+  names = {}
+  for line in hlo.splitlines():
+    m = re.match(r"\s*%?([\w.\-]+) = .*?op_name=\"([^\"]*)\"", line)
+    if m:
+      names[m.group(1)] = m.group(2)
+  out = collections.Counter()
+  for op, us in dur.items():
+    meta = names.get(op, "")
+    if "while/body" not in meta and not op.startswith(("cond", "while")):
+      out["prefill"] += us
+      continue
+    if op.startswith(("cond", "while")):
+      continue  # containers: their ops are counted themselves
+    for g, pat in GROUPS:
+      if re.search(pat, meta):
+        out[g] += us / iterations
+        break
+    else:
+      out["rest"] += us / iterations
+  return out
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--workdir", default="/tmp/dgr2_demo")
+  ap.add_argument("--before", default="", help="git revision of the decoder to compare with")
+  ap.add_argument("--batch_sizes", default="1,32")
+  a = ap.parse_args()
+  from configs import demo
+  from dgr2_jax.model.checkpoint import load_model_dir
+  from dgr2_jax.stages import eval as eval_stage
+  from dgr2_jax.stages import traces as traces_stage
+  from dgr2_jax.task import pipeline as pipeline_lib
+  from dgr2_jax.task import tokenizer as tok_lib
+  from dgr2_jax.task import traces as traces_lib
+  config = demo.get_config()
+  d = traces_stage.load_task_data(a.workdir)
+  ex, _ = traces_lib.build_examples(d["sequences"], d["candidates"]["test"], "test", insert_target="none")
+  tok = tok_lib.load_tokenizer(os.path.join(a.workdir, "traces", "tokenizer"))
+  tids = tok_lib.token_ids(tok)
+  prompts = [pipeline_lib.encode_prompt(tok, e, d["items"], d["sids"], config.task)[0] for e in ex[:32]]
+  final = "rl" if os.path.isdir(os.path.join(a.workdir, "rl", "model")) else "cft"
+  teacher = "teacher_rl" if os.path.isdir(os.path.join(a.workdir, "teacher_rl", "model")) else "sft"
+  before = load_before(a.before) if a.before else None
+  results = []
+  for label, md, bs, tau in (("AR", teacher, 1, 1.0), ("diffusion tau 0.9", final, 32, 0.9)):
+    mc, params = load_model_dir(os.path.join(a.workdir, md, "model"))
+    params = jax.device_put(params)
+    c = config.copy_and_resolve_references()
+    c.decode.block_size, c.decode.threshold = bs, tau
+    dc = eval_stage.decode_config(c, tids, mc)
+    for batch in map(int, a.batch_sizes.split(",")):
+      toks, lens = sampler.left_pad(prompts[:batch], config.task.prompt_len, dc.pad_id)
+      cols = {}
+      for name, mod in (("after", sampler), ("before", before)):
+        if mod is None:
+          continue
+        if name == "before":
+          fn = mod.compiled_decoder(sampler.model_for_decoding(mc, dc), dc.block_size, dc.max_new_tokens,
+                                    tuple(dc.eos_ids), dc.mask_token_id)
+          args = (params, jnp.asarray(toks), jnp.asarray(lens), jnp.float32(tau), jnp.float32(0), jnp.int32(0),
+                  jnp.float32(1), jax.random.PRNGKey(0), jnp.int32(dc.steps_per_block))
+          orig = attention._dense
+          attention._dense = _einsum_dense
+        else:
+          _, fn = sampler.decoder_for(mc, dc)
+          args = (params, toks, lens, np.float32(tau), np.float32(0), np.int32(0), np.float32(1),
+                  np.zeros(2, np.uint32), np.int32(dc.steps_per_block))
+        try:
+          dur, out = profile(lambda: fn(*args))
+          hlo = fn.lower(*args).compile().as_text()
+        finally:
+          if name == "before":
+            attention._dense = orig
+        it = max(int(out["forward_passes"]), 1)
+        cols[name] = (group(dur, hlo, it), it)
+      results.append((label, batch, cols))
+      for name, (g, it) in cols.items():
+        tot = sum(v for k, v in g.items() if k != "prefill")
+        parts = ", ".join(f"{k} {g.get(k, 0):.0f}" for k, _ in GROUPS + (("rest", None),))
+        print(f"{label} batch {batch} [{name}]: {it} iterations, {tot:.0f} us/iteration ({parts}); "
+              f"prefill {g.get('prefill', 0) / 1e3:.2f} ms", flush=True)
+  print("\n| decoder | batch | version | iterations | us / iteration | attention | projections | mlp | lm_head | "
+        "choose | rest |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  for label, batch, cols in results:
+    for name, (g, it) in cols.items():
+      tot = sum(v for k, v in g.items() if k != "prefill")
+      cells = " | ".join(f"{g.get(k, 0):.0f}" for k in ("attention", "projections", "mlp", "lm_head", "choose", "rest"))
+      print(f"| {label} | {batch} | {name} | {it} | {tot:.0f} | {cells} |")
+
+
+if __name__ == "__main__":
+  main()
