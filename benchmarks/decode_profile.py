@@ -61,6 +61,7 @@ def load_before(rev: str):
     f.write(src)
   spec = importlib.util.spec_from_file_location("sampler_before", path)
   mod = importlib.util.module_from_spec(spec)
+  sys.modules["sampler_before"] = mod   # dataclasses look their module up while it executes
   spec.loader.exec_module(mod)
   return mod
 

@@ -86,8 +86,9 @@ def opd_config() -> ml_collections.ConfigDict:
   c.epochs = 1
   c.steps = 0                  # 0 => epochs * train prompts // prompts_per_step
   # Teacher side (module docstring): 'full' cache, 'topk' cache of teacher_top_k + rest mass, or
-  # 'none' (scored exactly inside the step). README: KL error and bytes per token of each.
-  c.teacher_cache = "full"
+  # 'none' (scored exactly inside the step: no cache, and at Qwen3's vocabulary less time per step
+  # than building a cache first; README, benchmarks/teacher_cache.py).
+  c.teacher_cache = "none"
   c.teacher_top_k = 64
   # Rows decoded per call of the decoder (0 = all prompts_per_step x rollouts_per_prompt at once):
   # the global batch of rollouts never has to fit in one decode; grad_accum_steps does the same
