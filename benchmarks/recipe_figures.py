@@ -190,6 +190,7 @@ def rl_reward_trend(workdir: str) -> tuple[float, float, int] | None:
 
 def main(argv):
   del argv
+  main_lib.quiet_logs(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)
   config, workdir = _CONFIG.value, _WORKDIR.value
   with config.unlocked():
     config.stage = "pipeline"
