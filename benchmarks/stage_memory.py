@@ -12,7 +12,9 @@ elsewhere (2 layers, 32 wide):
      `tools/convert_hf_to_flax.py --add_tokens=<workdir>/sids/tokens.txt --mask_token='<|mask|>'`;
   3. every other stage of the preset, each in its own process (so each peak is its own): OPD at
      8 prompts x 4 rollouts per step, RL and the teacher's RL at 4 x 8, `--steps` optimizer steps
-     per training stage, the ladder and the frontier on `--eval_examples` test users.
+     per training stage; `eval` is the ladder's heaviest row (the final model drafting for the AR
+     teacher: both models and both KV caches), `bench` the frontier, on `--eval_examples` test
+     users.
 Per stage: the process's peak RSS (`ru_maxrss` of the child), its wall-clock, and beside it the
 plan of `dgr2_jax/train/memory_plan.py` (what `launch/dry_run.py` prints for the GPU presets:
 activations + logits + teacher cache + rollout decode) plus params/optimizer and the measured
@@ -156,10 +158,9 @@ def main():
   plan = planned(model, over)
   over = flags_of(over)
   for stage in a.stages.split(","):
-    if stage in ("eval", "bench"):
-      cmd = main + ["--config.stage=pipeline", f"--config.pipeline.stages=('{stage}',)"] + over
-    else:
-      cmd = main + [f"--config.stage={stage}"] + over
+    cmd = main + [f"--config.stage={stage}"] + over
+    if stage == "eval":  # the ladder's heaviest row: the final model drafting for the AR teacher
+      cmd += [f"--config.eval.model_dir={wd}/rl/model", "--config.decode.mode=speculative"]
     rc, dt, rss = run_measured(cmd, env, log)
     rows.append((stage, rss, dt, plan.get(stage)))
     print(f"{stage}: peak RSS {rss / 2**30:.2f} GiB, {dt:.0f} s" + ("" if rc == 0 else "  FAILED"), flush=True)

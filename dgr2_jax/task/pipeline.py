@@ -115,7 +115,9 @@ def build_arrays(examples: Sequence[dict], tokenizer, items, sids, task_cfg,
       rows.append(row)
   counts["kept"] = len(rows)
   if not rows:
-    raise ValueError(f"no example fits task.prompt_len/response_len: {counts}")
+    raise ValueError(f"no example fits task.prompt_len={task_cfg.prompt_len} / task.response_len="
+                     f"{task_cfg.response_len} (raise the one whose count is high, or set "
+                     f"task.too_long_response='truncate_reasoning'): {counts}")
   return {k: np.stack([r[k] for r in rows]) for k in rows[0]}, counts
 
 
