@@ -8,6 +8,14 @@ thunks), and sums the device time of each op by what it belongs to (from its HLO
 attention (scores, masking, softmax, P.V of every layer), mlp, projections (q/k/v/o and norms),
 lm_head (the vocabulary projection), choose (token, confidence, commit rule, sampling) and the rest
 (cache writes, gathers, loop bookkeeping). Per loop iteration, in microseconds.
+
+Then what bounds the wall-clock ratio: each decode timed without the profiler (median of 3
+calls: microseconds per loop iteration, tokens/s) beside the pure forward each iteration runs (a
+1-slot window for AR, a 32-slot one with its 32 positions projected to the vocabulary for
+diffusion, timed in a `fori_loop`, decode_throughput.window_costs), and the speedup each model of
+the loop gives: measured; if neither loop cost anything beyond its forwards (the bound that
+making both loops lean approaches); and if the diffusion loop cost nothing while AR kept its
+measured loop.
 `--before=REV` also profiles the decoder as it was at git revision REV (its decode/sampler.py and
 the 5-d einsum attention it used), loaded side by side in this process: the same model, prompts
 and machine, so the two columns compare.
@@ -26,10 +34,12 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -37,6 +47,7 @@ import numpy as np  # noqa: E402
 
 from dgr2_jax.decode import sampler  # noqa: E402
 from dgr2_jax.model import attention  # noqa: E402
+import decode_throughput  # noqa: E402
 
 GROUPS = (("attention", r"self_attn/(bkqd|bkqs|btkgd|bkgts|jit\(_where\)|reduce_max|reduce_sum|exp|sub|div|softmax)"),
           ("projections", r"self_attn/(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)|layernorm|/norm/"),
@@ -128,7 +139,7 @@ def main():
   final = "rl" if os.path.isdir(os.path.join(a.workdir, "rl", "model")) else "cft"
   teacher = "teacher_rl" if os.path.isdir(os.path.join(a.workdir, "teacher_rl", "model")) else "sft"
   before = load_before(a.before) if a.before else None
-  results = []
+  results, walls_by = [], {}
   for label, md, bs, tau in (("AR", teacher, 1, 1.0), ("diffusion tau 0.9", final, 32, 0.9)):
     mc, params = load_model_dir(os.path.join(a.workdir, md, "model"))
     params = jax.device_put(params)
@@ -160,6 +171,16 @@ def main():
             attention._dense = orig
         it = max(int(out["forward_passes"]), 1)
         cols[name] = (group(dur, hlo, it), it)
+        if name == "after":
+          walls = []
+          for _ in range(3):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(fn(*args))
+            walls.append(time.perf_counter() - t0)
+          tokens = sum(len(x) for x in sampler.output_ids(np.asarray(out["tokens"]), np.asarray(out["eos_pos"])))
+          fwd = decode_throughput.window_costs(mc.replace(mask_token_id=dc.mask_token_id), params, batch,
+                                               config.task.prompt_len + dc.max_new_tokens, widths=(bs,), head=True)[bs]
+          walls_by[(label, batch)] = dict(wall=float(np.median(walls)), iterations=it, tokens=tokens, forward=fwd)
       results.append((label, batch, cols))
       for name, (g, it) in cols.items():
         tot = sum(v for k, v in g.items() if k != "prefill")
@@ -174,6 +195,20 @@ def main():
       tot = sum(v for k, v in g.items() if k != "prefill")
       cells = " | ".join(f"{g.get(k, 0):.0f}" for k in ("attention", "projections", "mlp", "lm_head", "choose", "rest"))
       print(f"| {label} | {batch} | {name} | {it} | {tot:.0f} | {cells} |")
+  print("\n| batch | AR us/iteration | AR 1-slot forward us | diffusion us/iteration | diffusion 32-slot forward us | "
+        "iterations AR / diffusion | speedup measured | speedup, both loops free | speedup, diffusion loop free |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  for batch in map(int, a.batch_sizes.split(",")):
+    ar, df = walls_by.get(("AR", batch)), walls_by.get(("diffusion tau 0.9", batch))
+    if not (ar and df):
+      continue
+    tps = lambda w, secs: w["tokens"] / secs
+    measured = tps(df, df["wall"]) / tps(ar, ar["wall"])
+    lean = tps(df, df["iterations"] * df["forward"]) / tps(ar, ar["iterations"] * ar["forward"])
+    free = tps(df, df["iterations"] * df["forward"]) / tps(ar, ar["wall"])
+    print(f"| {batch} | {ar['wall'] / ar['iterations'] * 1e6:.0f} | {ar['forward'] * 1e6:.0f} | "
+          f"{df['wall'] / df['iterations'] * 1e6:.0f} | {df['forward'] * 1e6:.0f} | {ar['iterations']} / {df['iterations']} | "
+          f"{measured:.2f}x | {lean:.2f}x | {free:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -98,22 +98,23 @@ def time_call(fn, n):
   return float(np.median(times)), out, compile_s
 
 
-def window_costs(cfg, params, batch: int, slots: int) -> dict:
-  """Seconds of one forward of a W-slot window against a `slots` KV cache, W in 1, 32, 64."""
+def window_costs(cfg, params, batch: int, slots: int, widths=(1, 32, 64), head: bool = False, n: int = 20) -> dict:
+  """Seconds of one forward of a W-slot window against a `slots` KV cache, for W in `widths`
+  (`head`: the W positions projected to the vocabulary too, as a decoding step does)."""
   p = slots - 64
   plen = jnp.full((batch,), p, jnp.int32)
   pos = masks.left_pad_positions(plen, p, slots)
   out = {}
-  for w in (1, 32, 64):
-    c = cfg.as_block_diffusion(1) if w == 1 else cfg.as_block_diffusion(32, cfg.mask_token_id)
+  for w in widths:
+    c = cfg.as_block_diffusion(1) if w == 1 else cfg.as_block_diffusion(min(w, 32), cfg.mask_token_id)
     toks = jnp.zeros((batch, w), jnp.int32)
-    n = 20
 
     @jax.jit
     def loop(cache):
       def body(i, cache):
         h, cache = sampler.window_forward(c, params, toks, p, cache, plen, p, pos, return_hidden=True)
-        return jax.tree_util.tree_map(lambda x: x + (0 * h[0, 0, 0]).astype(x.dtype), cache)
+        dep = qwen3.lm_head(c, params, h).max() if head else h[0, 0, 0]
+        return jax.tree_util.tree_map(lambda x: x + (0 * dep).astype(x.dtype), cache)
       return jax.lax.fori_loop(0, n, body, cache)
     cache = qwen3.init_cache(c, batch, slots)
     jax.block_until_ready(loop(cache))

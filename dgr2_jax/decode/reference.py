@@ -115,7 +115,7 @@ def reference_speculative(drafter_config, drafter_params, verifier_config, verif
   v_dist = jax.jit(lambda lg: sampling.decoding_logprobs(lg, dc.temperature, dc.top_k, dc.top_p, v_mask))
   fold = jax.jit(jax.random.fold_in)
   uniforms = jax.jit(lambda k: (lambda ku, kx: (jax.random.uniform(ku, (bs + 1,)), kx))(*jax.random.split(k)))
-  draw = jax.jit(lambda k, lg: jax.random.categorical(k, lg))
+  draw = jax.jit(sampling.categorical)
   k_draft, k_verify = jax.random.split(rng)
   draft_keys, verify_keys = jax.random.split(k_draft, b), jax.random.split(k_verify, b)
   write_pass = resolve_kv_write(dc.kv_write) == "separate"

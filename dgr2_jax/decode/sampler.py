@@ -20,10 +20,11 @@ whose start slot is per row (the KV cache is written at per-row offsets):
   * B = 1 is AR decoding with no diffusion overhead: the window is the one clean token, there is
     no canvas, and the single index is predicted by the carried state (rows advance in lockstep,
     since every row commits exactly one token per step).
-Only the B predicting positions of a window are projected to the vocabulary. Greedy decoding
-without top-k/top-p takes the token, its log-probability and confidence from one pass over the
-logits (max, argmax, logsumexp; no [B, W, V] log-probs); sampling and filtered greedy use
-`sampling.decoding_logprobs` (today's exact distribution). A finished row idles.
+Only the B predicting positions of a window are projected to the vocabulary. Without top-k/top-p
+the token, its log-probability and confidence come from one pass over the logits (greedy: max,
+argmax, logsumexp; sampled: one exponential for the normaliser and an inverse-CDF draw; no
+[B, W, V] log-probs); top-k/top-p use `sampling.decoding_logprobs` (the sorted filters). A
+finished row idles.
 
 Commit rule (per row, over its masked positions before its first committed EOS): commit every
 position whose chosen token has probability >= tau, and always the most confident one; tau >= 1.0
@@ -153,12 +154,27 @@ def _greedy_choice(logits, mask_id):
   return tok, top - lse
 
 
+def _sampled_choice(key, logits, temperature, mask_id):
+  """(token, log-prob) of a draw from softmax(logits / T) without the mask token, unfiltered: one
+  exponential over the logits serves both the normaliser and the draw (`sampling.inverse_cdf`),
+  no log-probs materialised. The same distribution and draw as `sampling.decoding_logprobs` +
+  `sampling.choose_tokens` (what the reference decoder runs)."""
+  v = logits.shape[-1]
+  x = jnp.where(jnp.arange(v) == mask_id, -jnp.inf, logits.astype(jnp.float32) / temperature)
+  top = jnp.max(x, axis=-1, keepdims=True)
+  e = jnp.exp(x - top)
+  tok = sampling.inverse_cdf(e, jax.random.uniform(key, x.shape[:-1], jnp.float32))
+  lse = top[..., 0] + jnp.log(jnp.sum(e, axis=-1))
+  return tok, jnp.take_along_axis(x, tok[..., None], -1)[..., 0] - lse
+
+
 def choose(config, params, hidden, keys, temperature, top_k, top_p, mask_id):
   """Token and its log-prob under the decoding distribution, per position.
 
   hidden [B,N,E] (projected to the vocabulary here, a few rows at a time at large vocabularies:
-  model/logits.py); keys [B] (one per row). Greedy without filters: `_greedy_choice`; otherwise
-  `sampling.decoding_logprobs` + `sampling.choose_tokens` (the exact distribution)."""
+  model/logits.py); keys [B] (one per row). Without top-k/top-p: `_greedy_choice` or
+  `_sampled_choice` (one pass over the logits); with them `sampling.decoding_logprobs` +
+  `sampling.choose_tokens` (the sorted filters)."""
   def rows(xs):
     h, k = xs
     lg = qwen3.lm_head(config, params, h)                                       # [b,N,V]
@@ -167,8 +183,11 @@ def choose(config, params, hidden, keys, temperature, top_k, top_p, mask_id):
       lp = sampling.decoding_logprobs(lg, temperature, top_k, top_p, mask_id)
       tok = jax.vmap(lambda kk, l: sampling.choose_tokens(kk, l, temperature))(k, lp)   # [b,N]
       return tok, jnp.take_along_axis(lp, tok[..., None], -1)[..., 0]
-    fast = (temperature <= 0) & (top_k <= 0) & (top_p >= 1.0)
-    return jax.lax.cond(fast, lambda x: _greedy_choice(x, mask_id), general, lg)
+    greedy = lambda lg: _greedy_choice(lg, mask_id)
+    sampled = lambda lg: jax.vmap(lambda kk, l: _sampled_choice(kk, l, temperature, mask_id))(k, lg)
+    filtered = (top_k > 0) | (top_p < 1.0)
+    route = jnp.where(filtered, 2, jnp.where(temperature > 0, 1, 0))
+    return jax.lax.switch(route, (greedy, sampled, general), lg)
   b, n = hidden.shape[:2]
   return logits_lib.map_positions(rows, (hidden, keys), _rows_per_chunk(config, b, n))
 

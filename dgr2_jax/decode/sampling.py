@@ -32,10 +32,60 @@ def decoding_logprobs(logits: jnp.ndarray, temperature, top_k, top_p, mask_id: i
 
 
 def choose_tokens(key, logprobs: jnp.ndarray, temperature) -> jnp.ndarray:
-  """Greedy argmax when temperature == 0, else a categorical draw. logprobs [..., V] -> [...]."""
-  return jax.lax.cond(temperature > 0,
-                      lambda lp: jax.random.categorical(key, lp, axis=-1).astype(jnp.int32),
+  """Greedy argmax when temperature == 0, else a draw (`categorical`). logprobs [..., V] -> [...]."""
+  return jax.lax.cond(temperature > 0, lambda lp: categorical(key, lp),
                       lambda lp: jnp.argmax(lp, axis=-1).astype(jnp.int32), logprobs)
+
+
+# Entries per chunk of the two-level inverse CDF (`inverse_cdf`).
+CDF_CHUNK = 512
+
+
+def categorical(key, logits: jnp.ndarray) -> jnp.ndarray:
+  """One draw from softmax(logits) per position: [..., V] -> [...] int32 (entries of -inf, e.g.
+  the mask token or what top-k/top-p removed, are never drawn).
+
+  By inversion, one uniform per position. `jax.random.categorical` (Gumbel-max) generates and
+  transforms V random numbers per position instead: at Qwen3's vocabulary that was most of a
+  sampled decoding step (benchmarks/sampling_cost.py). Same distribution, another random stream."""
+  x = logits.astype(jnp.float32)
+  p = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+  return inverse_cdf(p, jax.random.uniform(key, x.shape[:-1], jnp.float32))
+
+
+def inverse_cdf(p: jnp.ndarray, u: jnp.ndarray, chunk: int = CDF_CHUNK) -> jnp.ndarray:
+  """The index i with c[i-1] <= u * c[V-1] < c[i], where c are the cumulative sums of the
+  unnormalised probabilities p [..., V] >= 0 and u [...] in [0, 1): i is drawn with probability
+  p[i] / sum(p), and an entry with p == 0 (an empty interval) is never returned.
+
+  Two levels, O(V) work and no [..., V] cumulative sum: the cumulative sums of chunks of `chunk`
+  entries locate the chunk, a cumulative sum inside that one chunk the entry. Where rounding puts
+  the target past the last nonempty interval (u * total rounding up to total, or a chunk's sum
+  and the cumulative sum inside it differing in the last bit), the last nonempty one is taken."""
+  lead, v = p.shape[:-1], p.shape[-1]
+  c = min(chunk, v)
+  k0 = v // c
+  # Whole chunks, and the rest as one short chunk of its own: padding the whole [..., V] array to
+  # a multiple of the chunk instead (jnp.pad) runs ~50x slower on XLA's CPU backend at V = 152,961.
+  main = p[..., :k0 * c].reshape(lead + (k0, c))                                        # [...,K0,C]
+  tail = p[..., k0 * c:]
+  sums = main.sum(-1)
+  if tail.shape[-1]:
+    sums = jnp.concatenate([sums, tail.sum(-1, keepdims=True)], -1)                    # [...,K]
+  cum = jnp.cumsum(sums, -1)
+  t = u * cum[..., -1]
+  k = jnp.minimum(jnp.sum(cum <= t[..., None], -1), _last_nonzero(sums))                # [...]
+  before = jnp.where(k > 0, jnp.take_along_axis(cum, jnp.maximum(k - 1, 0)[..., None], -1)[..., 0], 0.0)
+  q = jnp.take_along_axis(main, jnp.minimum(k, k0 - 1)[..., None, None], -2)[..., 0, :]  # [...,C]
+  if tail.shape[-1]:
+    q = jnp.where((k == k0)[..., None], jnp.pad(tail, [(0, 0)] * len(lead) + [(0, c - tail.shape[-1])]), q)
+  i = jnp.sum(jnp.cumsum(q, -1) <= (t - before)[..., None], -1)
+  return (k * c + jnp.minimum(i, _last_nonzero(q))).astype(jnp.int32)
+
+
+def _last_nonzero(x):
+  """Index of the last entry > 0 along the last axis."""
+  return x.shape[-1] - 1 - jnp.argmax(x[..., ::-1] > 0, axis=-1)
 
 
 def _filter_top_k_top_p(x, top_k, top_p):

@@ -181,7 +181,7 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
       rejected = m < n_ver
       resid = jnp.maximum(jnp.exp(p_m) - jnp.exp(q_m), 0.0)
       logits_x = jnp.where(rejected[:, None], jnp.log(resid), p_m)
-      x = jax.vmap(lambda k, l: jax.random.categorical(k, l))(k_x, logits_x).astype(jnp.int32)
+      x = jax.vmap(sampling.categorical)(k_x, logits_x)
       lp_k = jnp.take_along_axis(plp, jnp.minimum(drafts, vv - 1)[..., None], -1)[..., 0]
       lp_x = jnp.take_along_axis(p_m, x[:, None], -1)[:, 0]
       lp_k = jnp.where(kwin == m[:, None], lp_x[:, None], lp_k)
