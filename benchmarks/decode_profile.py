@@ -9,13 +9,15 @@ attention (scores, masking, softmax, P.V of every layer), mlp, projections (q/k/
 lm_head (the vocabulary projection), choose (token, confidence, commit rule, sampling) and the rest
 (cache writes, gathers, loop bookkeeping). Per loop iteration, in microseconds.
 
-Then what bounds the wall-clock ratio: each decode timed without the profiler (median of 3
-calls: microseconds per loop iteration, tokens/s) beside the pure forward each iteration runs (a
-1-slot window for AR, a 32-slot one with its 32 positions projected to the vocabulary for
-diffusion, timed in a `fori_loop`, decode_throughput.window_costs), and the speedup each model of
-the loop gives: measured; if neither loop cost anything beyond its forwards (the bound that
-making both loops lean approaches); and if the diffusion loop cost nothing while AR kept its
-measured loop.
+Then what bounds the wall-clock ratio. Five calls per batch size, timed in turn `--rounds` times
+(medians; a noisy machine's slow spells fall on all five alike): each decode without the profiler;
+the pure forward each of its iterations runs (a 1-slot window for AR, a 32-slot one with its 32
+positions projected to the vocabulary for diffusion: decode_throughput.window_loop); and the
+call's fixed part, the prompts' prefill and the call itself, the same for both decoders (a jitted
+prefill). With a call = fixed part + iterations x per-iteration cost, the speedup is given:
+measured; if neither loop cost anything beyond its forwards (the bound that making both loops
+lean approaches); if the diffusion loop cost nothing beyond its forwards while AR kept its
+measured loop; and the ceiling, a diffusion loop that cost nothing at all (the fixed part alone).
 `--before=REV` also profiles the decoder as it was at git revision REV (its decode/sampler.py and
 the 5-d einsum attention it used), loaded side by side in this process: the same model, prompts
 and machine, so the two columns compare.
@@ -46,7 +48,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dgr2_jax.decode import sampler  # noqa: E402
-from dgr2_jax.model import attention  # noqa: E402
+from dgr2_jax.model import attention, masks, qwen3  # noqa: E402
 import decode_throughput  # noqa: E402
 
 GROUPS = (("attention", r"self_attn/(bkqd|bkqs|btkgd|bkgts|jit\(_where\)|reduce_max|reduce_sum|exp|sub|div|softmax)"),
@@ -94,6 +96,30 @@ def profile(call, n: int = 3):
   return dur, out
 
 
+def prefill_call(cfg, params, toks, lens, slots: int):
+  """A compiled call that prefills the prompts into an empty KV cache (the fixed part of a decode
+  call, the same for AR and diffusion)."""
+  b, p = toks.shape
+  pos = masks.left_pad_positions(jnp.asarray(lens), p, slots)
+  fn = jax.jit(lambda prm, t, n: sampler.window_forward(cfg, prm, t, 0, qwen3.init_cache(cfg, b, slots), n, p, pos,
+                                                        return_hidden=True)[0][:, -1])
+  call = lambda: fn(params, toks, lens)
+  jax.block_until_ready(call())
+  return call
+
+
+def interleaved_medians(calls: dict, rounds: int) -> dict:
+  """{name: zero-argument call} -> {name: median seconds}, timing one call of each in turn per
+  round, so that a noisy machine's slow spells fall on every quantity alike."""
+  times = {k: [] for k in calls}
+  for _ in range(rounds):
+    for k, call in calls.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(call())
+      times[k].append(time.perf_counter() - t0)
+  return {k: float(np.median(v)) for k, v in times.items()}
+
+
 def group(dur: dict, hlo: str, iterations: int) -> dict:
   names = {}
   for line in hlo.splitlines():
@@ -122,6 +148,7 @@ def main():
   ap.add_argument("--workdir", default="/tmp/dgr2_demo")
   ap.add_argument("--before", default="", help="git revision of the decoder to compare with")
   ap.add_argument("--batch_sizes", default="1,32")
+  ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds of the bound table")
   a = ap.parse_args()
   from configs import demo
   from dgr2_jax.model.checkpoint import load_model_dir
@@ -139,7 +166,7 @@ def main():
   final = "rl" if os.path.isdir(os.path.join(a.workdir, "rl", "model")) else "cft"
   teacher = "teacher_rl" if os.path.isdir(os.path.join(a.workdir, "teacher_rl", "model")) else "sft"
   before = load_before(a.before) if a.before else None
-  results, walls_by = [], {}
+  results, calls = [], {}
   for label, md, bs, tau in (("AR", teacher, 1, 1.0), ("diffusion tau 0.9", final, 32, 0.9)):
     mc, params = load_model_dir(os.path.join(a.workdir, md, "model"))
     params = jax.device_put(params)
@@ -172,15 +199,12 @@ def main():
         it = max(int(out["forward_passes"]), 1)
         cols[name] = (group(dur, hlo, it), it)
         if name == "after":
-          walls = []
-          for _ in range(3):
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(fn(*args))
-            walls.append(time.perf_counter() - t0)
+          slots = config.task.prompt_len + dc.max_new_tokens
+          mcd = sampler.model_for_decoding(mc, dc)
           tokens = sum(len(x) for x in sampler.output_ids(np.asarray(out["tokens"]), np.asarray(out["eos_pos"])))
-          fwd = decode_throughput.window_costs(mc.replace(mask_token_id=dc.mask_token_id), params, batch,
-                                               config.task.prompt_len + dc.max_new_tokens, widths=(bs,), head=True)[bs]
-          walls_by[(label, batch)] = dict(wall=float(np.median(walls)), iterations=it, tokens=tokens, forward=fwd)
+          loop, n = decode_throughput.window_loop(mcd, params, batch, slots, bs, head=True)
+          calls[(label, batch)] = dict(iterations=it, tokens=tokens, n=n, call=lambda fn=fn, args=args: fn(*args),
+                                       loop=loop, prefill=prefill_call(mcd, params, toks, lens, slots))
       results.append((label, batch, cols))
       for name, (g, it) in cols.items():
         tot = sum(v for k, v in g.items() if k != "prefill")
@@ -195,20 +219,24 @@ def main():
       tot = sum(v for k, v in g.items() if k != "prefill")
       cells = " | ".join(f"{g.get(k, 0):.0f}" for k in ("attention", "projections", "mlp", "lm_head", "choose", "rest"))
       print(f"| {label} | {batch} | {name} | {it} | {tot:.0f} | {cells} |")
-  print("\n| batch | AR us/iteration | AR 1-slot forward us | diffusion us/iteration | diffusion 32-slot forward us | "
-        "iterations AR / diffusion | speedup measured | speedup, both loops free | speedup, diffusion loop free |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("\n| batch | prefill + call ms | AR us/iteration | AR 1-slot forward us | diffusion us/iteration | "
+        "diffusion 32-slot forward us | iterations AR / diffusion | speedup measured | speedup, both loops free | "
+        "speedup, diffusion loop free | ceiling: diffusion loop costs nothing |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   for batch in map(int, a.batch_sizes.split(",")):
-    ar, df = walls_by.get(("AR", batch)), walls_by.get(("diffusion tau 0.9", batch))
+    ar, df = calls.get(("AR", batch)), calls.get(("diffusion tau 0.9", batch))
     if not (ar and df):
       continue
+    t = interleaved_medians({"ar": ar["call"], "df": df["call"], "fixed": df["prefill"], "f1": ar["loop"],
+                             "fw": df["loop"]}, a.rounds)
+    fixed, f1, fw = t["fixed"], t["f1"] / ar["n"], t["fw"] / df["n"]
+    loop_us = lambda w, wall: (wall - fixed) / w["iterations"] * 1e6
     tps = lambda w, secs: w["tokens"] / secs
-    measured = tps(df, df["wall"]) / tps(ar, ar["wall"])
-    lean = tps(df, df["iterations"] * df["forward"]) / tps(ar, ar["iterations"] * ar["forward"])
-    free = tps(df, df["iterations"] * df["forward"]) / tps(ar, ar["wall"])
-    print(f"| {batch} | {ar['wall'] / ar['iterations'] * 1e6:.0f} | {ar['forward'] * 1e6:.0f} | "
-          f"{df['wall'] / df['iterations'] * 1e6:.0f} | {df['forward'] * 1e6:.0f} | {ar['iterations']} / {df['iterations']} | "
-          f"{measured:.2f}x | {lean:.2f}x | {free:.2f}x |")
+    lean_ar, lean_df = fixed + ar["iterations"] * f1, fixed + df["iterations"] * fw   # loops of forwards only
+    print(f"| {batch} | {fixed * 1e3:.2f} | {loop_us(ar, t['ar']):.0f} | {f1 * 1e6:.0f} | {loop_us(df, t['df']):.0f} | "
+          f"{fw * 1e6:.0f} | {ar['iterations']} / {df['iterations']} | {tps(df, t['df']) / tps(ar, t['ar']):.2f}x | "
+          f"{tps(df, lean_df) / tps(ar, lean_ar):.2f}x | {tps(df, lean_df) / tps(ar, t['ar']):.2f}x | "
+          f"{tps(df, fixed) / tps(ar, t['ar']):.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
