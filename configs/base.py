@@ -127,6 +127,9 @@ def bench_config() -> ml_collections.ConfigDict:
   # (throughput); speedups are against the AR row of the same batch size.
   c.batch_sizes = (1, 0)
   c.speculative = True       # rows of speculative decoding (the diffusion model drafts, AR verifies)
+  # Speed: after every row of a batch size has decoded once (metrics, compilation), the rows decode
+  # their batches again in turn, this many rounds; a row's seconds are its median round.
+  c.timing_rounds = 5
   return c
 
 

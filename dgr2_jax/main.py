@@ -281,6 +281,9 @@ def validate(config, workdir: str | None) -> None:
     for bsz in b.get("batch_sizes", (0,)):
       if isinstance(bsz, bool) or not isinstance(bsz, int) or bsz < 0:
         _fail("bench.batch_sizes", f"every batch size must be an int >= 0 (0 = eval.batch_size), got {bsz!r}")
+    rounds = b.get("timing_rounds", 5)
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+      _fail("bench.timing_rounds", f"must be an int >= 1, got {rounds!r}")
     for bs in b.block_sizes:
       if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
         _fail("bench.block_sizes", f"every block size must be an int >= 1, got {bs!r}")

@@ -101,6 +101,7 @@ def test_paper_hyper_parameters():
     ({"opd.init_from": "/nonexistent"}, "config.opd.init_from", FileNotFoundError),
     ({"bench.thresholds": (0.9, 1.5)}, "config.bench.thresholds", ValueError),
     ({"bench.block_sizes": (32, 40)}, "config.bench.block_sizes", ValueError),
+    ({"bench.timing_rounds": 0}, "config.bench.timing_rounds", ValueError),
     ({"stage": "eval"}, "config.eval.model_dir", ValueError),
     ({"stage": "eval", "eval.model_dir": "/nonexistent"}, "config.eval.model_dir",
      FileNotFoundError),
@@ -308,16 +309,23 @@ def test_ladder_uses_each_model_and_ar_decoding(tmp_path, monkeypatch):
   assert os.path.exists(os.path.join(workdir, "results", "accuracy.md"))
 
 
-def test_timed_generate_counts_tokens_like_generate(tiny_lm):
+def test_timed_generate_counts_tokens_like_generate_and_times_its_batches_again(tiny_lm):
   from dgr2_jax.decode import sampler
   cfg, params = tiny_lm
   prompts = [[3, 4, 5, 6], [7, 8]]
   dc = sampler.decode_config_for(cfg, block_size=4, threshold=0.5, max_new_tokens=16)
-  timed = bench_stage.TimedGenerate()
+  timed, other = bench_stage.TimedGenerate(), bench_stage.TimedGenerate()
   import jax
   out = timed(cfg, params, prompts, dc, jax.random.PRNGKey(0), max_prompt_len=8)
+  other(cfg, params, prompts[:1], dc, jax.random.PRNGKey(1), max_prompt_len=8)
   ref = sampler.generate(cfg, params, prompts, dc, jax.random.PRNGKey(0), max_prompt_len=8)
   assert out["output_ids"] == ref["output_ids"]
   np.testing.assert_array_equal(out["nfe"], ref["nfe"])
   assert timed.tokens == sum(len(x) for x in ref["output_ids"]) and timed.batches == 1
-  assert timed.seconds > 0
+  assert timed.seconds == 0   # timed afterwards, side by side with the other rows
+  # What is timed is the same decode again.
+  np.testing.assert_array_equal(np.asarray(timed.calls[0]()["tokens"]), ref["tokens"])
+  bench_stage.time_interleaved([timed, other], rounds=3)
+  assert timed.seconds > 0 and other.seconds > 0
+  row = bench_stage.timing({"decoder": "threshold"}, timed, 3)
+  assert row["tokens_per_s"] == timed.tokens / timed.seconds and row["timing_rounds"] == 3

@@ -12,9 +12,12 @@ Each row decodes the eval split through the eval stage (same prompts, parser and
 
 Throughput = generated tokens / decode seconds, where generated tokens are the committed output
 tokens up to and including EOS of every row of every decoded batch (the padding rows of the last
-batch are real work and count), and decode seconds exclude compilation: each row first decodes
-one batch untimed (warm-up), then every batch is timed to `jax.block_until_ready`. Prompt
-rendering, parsing and scoring are not timed. speedup = tokens_per_s / the AR row's of the same
+batch are real work and count). Metrics come from one pass over the split per row (which also
+compiles each decoder). Decode seconds come afterwards, side by side: the rows of one batch size
+decode their batches again in turn, row after row, `bench.timing_rounds` rounds, each batch timed
+to `jax.block_until_ready`, and a row's seconds are its median round. A machine whose speed
+drifts (these do, by 2x between minutes) thus slows every row of a round alike instead of
+whichever row it happened to be running. Prompt rendering, parsing and scoring are not timed. speedup = tokens_per_s / the AR row's of the same
 batch size; nfe_speedup = its nfe_per_seq / nfe_per_seq (NFE = forward passes after prefill per
 sequence; speculative: drafter + verifier passes). Speculative rows add drafter_passes_per_seq,
 verifier_passes_per_seq and accepted_per_pass (drafts accepted per verifier pass).
@@ -37,8 +40,8 @@ STAGE = "bench"
 
 
 class TimedGenerate:
-  """A generate function (`sampler.generate` by default) with a warm-up call and timed decode
-  calls (see the module docstring)."""
+  """A generate function (`sampler.generate` by default) that counts what it decodes and keeps
+  each call so `time_interleaved` can decode the same batches again, timed (module docstring)."""
 
   def __init__(self, generate_fn=None):
     self.generate_fn = generate_fn
@@ -48,21 +51,15 @@ class TimedGenerate:
     self.forward_passes = 0
     self.batches = 0
     self.stats = {}
-    self._warm = False
+    self.calls = []
 
   def __call__(self, model_config, params, prompts, dcfg, rng, max_prompt_len=None):
     import jax
     from dgr2_jax.decode import sampler
     fn = self.generate_fn or sampler.generate
-    if not self._warm:  # compile (and first-touch) outside the timed region
-      jax.block_until_ready(fn(model_config, params, prompts, dcfg, rng, max_prompt_len=max_prompt_len,
-                               return_device=True))
-      self._warm = True
-    t0 = time.perf_counter()
-    out = fn(model_config, params, prompts, dcfg, rng, max_prompt_len=max_prompt_len, return_device=True)
-    out = jax.block_until_ready(out)
-    self.seconds += time.perf_counter() - t0
-    out = jax.tree_util.tree_map(np.asarray, out)
+    call = lambda: fn(model_config, params, prompts, dcfg, rng, max_prompt_len=max_prompt_len, return_device=True)
+    out = jax.tree_util.tree_map(np.asarray, call())
+    self.calls.append(call)
     out["output_ids"] = sampler.output_ids(out["tokens"], out["eos_pos"])
     self.tokens += sum(len(x) for x in out["output_ids"])
     self.sequences += len(out["output_ids"])
@@ -74,10 +71,28 @@ class TimedGenerate:
     return out
 
 
+def time_interleaved(timers: list, rounds: int) -> None:
+  """Sets each timer's `seconds` to the median over `rounds` rounds of the time its batches take
+  to decode again, the timers taking turns within a round (module docstring)."""
+  import jax
+  per = [[] for _ in timers]
+  for _ in range(rounds):
+    for t, acc in zip(timers, per):
+      total = 0.0
+      for call in t.calls:
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        total += time.perf_counter() - t0
+      acc.append(total)
+  for t, acc in zip(timers, per):
+    t.seconds = float(np.median(acc))
+
+
 def measure(config, workdir: str, model_dir: str, block_size: int, threshold: float, out_dir: str,
-            batch_size: int = 0, decoder: str = "threshold", verifier_dir: str = "", generate_fn=None) -> dict:
+            batch_size: int = 0, decoder: str = "threshold", verifier_dir: str = "", generate_fn=None):
   """One frontier row: eval metrics of `model_dir` decoded with `decoder` at (block_size,
-  threshold, batch_size) + timing."""
+  threshold, batch_size) -> (row without its timing, the TimedGenerate that decoded it; `timing`
+  fills the row in once its timer's `seconds` are known)."""
   from dgr2_jax.stages import eval as eval_stage
   bc = config.bench
   c = config.copy_and_resolve_references()
@@ -100,21 +115,25 @@ def measure(config, workdir: str, model_dir: str, block_size: int, threshold: fl
   path = eval_stage.run(c, workdir, generate_fn=timed)
   with open(os.path.join(path, "metrics.json")) as f:
     m = json.load(f)
-  tps = timed.tokens / timed.seconds if timed.seconds > 0 else None
   seqs = max(timed.sequences, 1)
   label = "ar" if decoder == "threshold" and int(block_size) == 1 else decoder
   row = {"decoder": label, "batch_size": int(c.eval.batch_size), "block_size": int(block_size),
          "threshold": float(threshold), "recall@1": m["recall@1"], "recall@3": m.get("recall@3"),
-         "ndcg@3": m.get("ndcg@3"), "valid_rate": m["valid_rate"], "tokens_per_s": tps,
-         "nfe_per_seq": m["mean_nfe"], "tokens_per_seq": timed.tokens / seqs,
+         "ndcg@3": m.get("ndcg@3"), "valid_rate": m["valid_rate"], "nfe_per_seq": m["mean_nfe"],
+         "tokens_per_seq": timed.tokens / seqs,
          "forward_passes_per_batch": timed.forward_passes / max(timed.batches, 1),
-         "decode_seconds": timed.seconds, "batches": timed.batches, "n": m["n"],
-         "model_dir": model_dir, "split": c.eval.split}
+         "batches": timed.batches, "n": m["n"], "model_dir": model_dir, "split": c.eval.split}
   st = getattr(timed, "stats", {})
   if "rounds" in st:
     row.update(drafter_passes_per_seq=st["drafter_passes"] / seqs, verifier_passes_per_seq=st["rounds"] / seqs,
                accepted_per_pass=st["accepted"] / max(st["rounds"], 1), verifier_dir=verifier_dir)
-  return row
+  return row, timed
+
+
+def timing(row: dict, timed, rounds: int) -> dict:
+  """The row with its decode seconds and tokens/s (after `time_interleaved`)."""
+  tps = timed.tokens / timed.seconds if timed.seconds > 0 else None
+  return dict(row, tokens_per_s=tps, decode_seconds=timed.seconds, timing_rounds=int(rounds))
 
 
 def add_speedups(rows: list[dict]) -> list[dict]:
@@ -161,24 +180,31 @@ def run(config, workdir: str) -> dict:
     with open(os.path.join(out, "frontier.json")) as f:
       return json.load(f)
   with common.atomic_dir(out, chash, {"stage": STAGE}) as tmp:
-    rows = []
+    rows, rounds = [], int(bc.get("timing_rounds", 5))
 
-    def add(tag, **kw):
-      rows.append(measure(config, workdir, out_dir=os.path.join(tmp, "eval", tag), **kw))
-      r = rows[-1]
-      extra = f", {r['accepted_per_pass']:.1f} accepted per pass" if "accepted_per_pass" in r else ""
-      print(f"bench: {r['decoder']} batch {r['batch_size']} B={r['block_size']} tau={r['threshold']:g}: "
-            f"{r['tokens_per_s']:.1f} tok/s, R@1 {r['recall@1']:.3f}, NFE {r['nfe_per_seq']:.1f}{extra}", flush=True)
+    def add(pending, tag, **kw):
+      row, timed = measure(config, workdir, out_dir=os.path.join(tmp, "eval", tag), **kw)
+      pending.append((row, timed))
+      extra = f", {row['accepted_per_pass']:.1f} accepted per pass" if "accepted_per_pass" in row else ""
+      print(f"bench: {row['decoder']} batch {row['batch_size']} B={row['block_size']} tau={row['threshold']:g}: "
+            f"R@1 {row['recall@1']:.3f}, NFE {row['nfe_per_seq']:.1f}{extra}", flush=True)
 
     for batch in batch_sizes:
+      pending = []
       if bc.include_ar:
-        add(f"bs{batch}_ar", model_dir=ar, block_size=1, threshold=1.0, batch_size=batch)
+        add(pending, f"bs{batch}_ar", model_dir=ar, block_size=1, threshold=1.0, batch_size=batch)
       for b in bc.block_sizes:
         for tau in bc.thresholds:
-          add(f"bs{batch}_b{b}_t{tau:g}", model_dir=final, block_size=int(b), threshold=float(tau), batch_size=batch)
+          add(pending, f"bs{batch}_b{b}_t{tau:g}", model_dir=final, block_size=int(b), threshold=float(tau), batch_size=batch)
           if spec and int(b) > 1:
-            add(f"bs{batch}_spec_b{b}_t{tau:g}", model_dir=final, block_size=int(b), threshold=float(tau),
+            add(pending, f"bs{batch}_spec_b{b}_t{tau:g}", model_dir=final, block_size=int(b), threshold=float(tau),
                 batch_size=batch, decoder="speculative", verifier_dir=ar)
+      print(f"bench: timing the {len(pending)} rows of batch {batch} side by side, {rounds} rounds", flush=True)
+      time_interleaved([t for _, t in pending], rounds)
+      rows += [timing(r, t, rounds) for r, t in pending]
+      for r in rows[-len(pending):]:
+        print(f"bench: {r['decoder']} batch {r['batch_size']} B={r['block_size']} tau={r['threshold']:g}: "
+              f"{r['tokens_per_s']:.1f} tok/s", flush=True)
     add_speedups(rows)
     obj = results.write_frontier(os.path.join(workdir, "results"), rows,
                                  results.meta(chash, bench=common.to_plain(bc)))
