@@ -151,3 +151,46 @@ def test_eval_requires_model_dir(traced, workdir):
   cfg.eval.model_dir = ""
   with pytest.raises(ValueError, match="model_dir"):
     eval_stage.run(cfg, workdir)
+
+
+def test_bench_rows_share_one_loaded_copy_of_each_model(traced, workdir, tmp_path, monkeypatch):
+  """Bench keeps every row's decode calls until it times the rows side by side, so the rows
+  (threshold rows of the final model; speculative rows, whose verifier is the AR row's model)
+  must hold one loaded copy of each model directory, not one per row: at Qwen3-8B a copy is
+  16 GB."""
+  import jax
+  from dgr2_jax.model import checkpoint, qwen3
+  from dgr2_jax.model.config import Qwen3Config
+  from dgr2_jax.stages import bench as bench_stage
+  cfg, _ = traced
+  cfg = cfg.copy_and_resolve_references()
+  cfg.eval.update(split="test", batch_size=4, name="bench")
+  cfg.bench = ml_collections.ConfigDict(dict(split="test", max_examples=4, batch_size=4))
+  tok = tok_lib.load_tokenizer(traces_stage.tokenizer_dir(cfg, workdir))
+  tiny = Qwen3Config(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=4, mask_token_id=15)
+  loads = []
+
+  def load(path, *a, **k):
+    loads.append(path)
+    return tiny, qwen3.init_params(tiny, jax.random.PRNGKey(len(loads)))
+  monkeypatch.setattr(checkpoint, "load_model_dir", load)
+  seen = []
+  base = fake_generate_factory(tok, [])
+
+  def fake(model_config, params, prompts, dcfg, rng, max_prompt_len=None, return_device=False):
+    seen.append(id(params))
+    out = base(None, None, prompts, dcfg, rng, max_prompt_len)
+    out.pop("output_ids")   # TimedGenerate cuts the canvas after EOS itself
+    return dict(out, eos_pos=np.argmax(out["tokens"] == tok_lib.token_ids(tok).eos_id, axis=1),
+                forward_passes=np.int32(out["nfe"].max()))
+  final, ar = str(tmp_path / "final"), str(tmp_path / "ar")
+  models = {}
+  for tau in (0.9, 0.5):
+    bench_stage.measure(cfg, workdir, final, 4, tau, str(tmp_path / f"t{tau}"),
+                        generate_fn=bench_stage.TimedGenerate(fake), models=models)
+  bench_stage.measure(cfg, workdir, ar, 1, 1.0, str(tmp_path / "ar_row"),
+                      generate_fn=bench_stage.TimedGenerate(fake), models=models)
+  eval_stage.speculative_generate(ar, None, models)
+  assert loads == [final, ar]
+  assert len(set(seen)) == 2 and seen[0] == seen[1]

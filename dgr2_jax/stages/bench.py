@@ -89,10 +89,12 @@ def time_interleaved(timers: list, rounds: int) -> None:
 
 
 def measure(config, workdir: str, model_dir: str, block_size: int, threshold: float, out_dir: str,
-            batch_size: int = 0, decoder: str = "threshold", verifier_dir: str = "", generate_fn=None):
+            batch_size: int = 0, decoder: str = "threshold", verifier_dir: str = "", generate_fn=None,
+            models: dict | None = None):
   """One frontier row: eval metrics of `model_dir` decoded with `decoder` at (block_size,
   threshold, batch_size) -> (row without its timing, the TimedGenerate that decoded it; `timing`
-  fills the row in once its timer's `seconds` are known)."""
+  fills the row in once its timer's `seconds` are known). `models`: one dict for all rows of a
+  run, so their kept decode calls share one loaded copy of each model (`eval.load_on_device`)."""
   from dgr2_jax.stages import eval as eval_stage
   bc = config.bench
   c = config.copy_and_resolve_references()
@@ -109,10 +111,10 @@ def measure(config, workdir: str, model_dir: str, block_size: int, threshold: fl
     c.decode.mode = decoder
     c.decode.verifier_dir = verifier_dir
   if generate_fn is None:
-    generate_fn = TimedGenerate(eval_stage.speculative_generate(verifier_dir, config.get("model"))
+    generate_fn = TimedGenerate(eval_stage.speculative_generate(verifier_dir, config.get("model"), models)
                                 if decoder == "speculative" else None)
   timed = generate_fn
-  path = eval_stage.run(c, workdir, generate_fn=timed)
+  path = eval_stage.run(c, workdir, generate_fn=timed, models=models)
   with open(os.path.join(path, "metrics.json")) as f:
     m = json.load(f)
   seqs = max(timed.sequences, 1)
@@ -180,10 +182,10 @@ def run(config, workdir: str) -> dict:
     with open(os.path.join(out, "frontier.json")) as f:
       return json.load(f)
   with common.atomic_dir(out, chash, {"stage": STAGE}) as tmp:
-    rows, rounds = [], int(bc.get("timing_rounds", 5))
+    rows, rounds, models = [], int(bc.get("timing_rounds", 5)), {}
 
     def add(pending, tag, **kw):
-      row, timed = measure(config, workdir, out_dir=os.path.join(tmp, "eval", tag), **kw)
+      row, timed = measure(config, workdir, out_dir=os.path.join(tmp, "eval", tag), models=models, **kw)
       pending.append((row, timed))
       extra = f", {row['accepted_per_pass']:.1f} accepted per pass" if "accepted_per_pass" in row else ""
       print(f"bench: {row['decoder']} batch {row['batch_size']} B={row['block_size']} tau={row['threshold']:g}: "

@@ -92,14 +92,27 @@ def verifier_dir(config, workdir: str) -> str | None:
   return path
 
 
-def speculative_generate(verifier_path: str, model_section=None):
+def load_on_device(path: str, model_section=None, models: dict | None = None):
+  """(config with the run's runtime fields, params on the device) of a model directory.
+
+  `models`, a dict the caller keeps across calls of one config (bench: all its rows), holds each
+  directory loaded once: bench keeps every row's decode calls until it times them side by side,
+  and a copy per row would not fit at Qwen3-8B."""
+  if models is not None and path in models:
+    return models[path]
+  import jax
+  from dgr2_jax.model.checkpoint import load_model_dir
+  cfg, params = load_model_dir(path)
+  out = cfg.with_runtime(model_section), jax.device_put(params)   # once, not with every decode call
+  if models is not None:
+    models[path] = out
+  return out
+
+
+def speculative_generate(verifier_path: str, model_section=None, models: dict | None = None):
   """A `generate_fn` (sampler.generate's signature) decoding speculatively with the verifier."""
   from dgr2_jax.decode import speculative
-  from dgr2_jax.model.checkpoint import load_model_dir
-  import jax
-  vcfg, vparams = load_model_dir(verifier_path)
-  vcfg = vcfg.with_runtime(model_section)
-  vparams = jax.device_put(vparams)
+  vcfg, vparams = load_on_device(verifier_path, model_section, models)
 
   def fn(model_config, params, prompts, dcfg, rng=None, max_prompt_len=None, return_device=False):
     return speculative.generate(model_config, params, vcfg, vparams, prompts, dcfg, rng, max_prompt_len,
@@ -107,7 +120,8 @@ def speculative_generate(verifier_path: str, model_section=None):
   return fn
 
 
-def run(config, workdir: str, generate_fn=None) -> str:
+def run(config, workdir: str, generate_fn=None, models: dict | None = None) -> str:
+  """Decodes and scores `config.eval.split` -> the output directory. `models`: see `load_on_device`."""
   ec, tc = config.eval, config.task
   if not ec.model_dir and generate_fn is None:
     raise ValueError("config.eval.model_dir is required for --config.stage=eval")
@@ -136,14 +150,10 @@ def run(config, workdir: str, generate_fn=None) -> str:
              for ex in examples]
   model_config = params = None
   if ec.model_dir:
-    import jax
-    from dgr2_jax.model.checkpoint import load_model_dir
-    model_config, params = load_model_dir(ec.model_dir)
-    model_config = model_config.with_runtime(config.get("model"))
-    params = jax.device_put(params)   # once, not with every decode call
+    model_config, params = load_on_device(ec.model_dir, config.get("model"), models)
   if generate_fn is None:
     if verifier:
-      generate_fn = speculative_generate(verifier, config.get("model"))
+      generate_fn = speculative_generate(verifier, config.get("model"), models)
     else:
       from dgr2_jax.decode.sampler import generate as generate_fn
   dcfg = decode_config(config, tids, model_config)

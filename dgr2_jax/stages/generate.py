@@ -186,10 +186,11 @@ def run(config, workdir: str | None = None) -> str:
     if not d.get("verifier_dir", ""):
       raise ValueError("config.decode.verifier_dir is required with decode.mode='speculative' (the AR model "
                        "that verifies the drafts of config.model_dir)")
-    vcfg = checkpoint.load_model_dir(d.verifier_dir)[0]
+    models = {}   # the verifier is read once, for the pair check and for decoding
+    vcfg = eval_stage.load_on_device(d.verifier_dir, None, models)[0]
     from dgr2_jax.decode import speculative
     speculative.check_pair(model_config, vcfg, dcfg.mask_token_id)
-    generate_fn = eval_stage.speculative_generate(d.verifier_dir)
+    generate_fn = eval_stage.speculative_generate(d.verifier_dir, None, models)
   recs = generate_all(model_config, params, prompts, dcfg, int(config.batch_size), slots,
                       int(config.get("seed", 0)), generate_fn=generate_fn)
   for r in recs:
