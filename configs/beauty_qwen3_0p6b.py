@@ -75,6 +75,7 @@ def paper_config(arg: str, *, fsdp: int, batch_size: int, grad_accum: int, on_po
   c.eval.batch_size = 32
   c.bench.thresholds = (1.0, 0.9, 0.6, 0.4)
   c.bench.block_sizes = (32,)
+  c.bench.timing_batches = 8   # metrics over the whole split, speed over 8 batches per row
   c.hardware.num_devices = 8
   c.hardware.device_memory_gb = 80.0
   return base.apply_variants(c, arg)

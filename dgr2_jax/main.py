@@ -284,6 +284,9 @@ def validate(config, workdir: str | None) -> None:
     rounds = b.get("timing_rounds", 5)
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
       _fail("bench.timing_rounds", f"must be an int >= 1, got {rounds!r}")
+    nb = b.get("timing_batches", 0)
+    if isinstance(nb, bool) or not isinstance(nb, int) or nb < 0:
+      _fail("bench.timing_batches", f"must be an int >= 0 (0 = every batch), got {nb!r}")
     for bs in b.block_sizes:
       if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
         _fail("bench.block_sizes", f"every block size must be an int >= 1, got {bs!r}")

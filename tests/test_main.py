@@ -102,6 +102,7 @@ def test_paper_hyper_parameters():
     ({"bench.thresholds": (0.9, 1.5)}, "config.bench.thresholds", ValueError),
     ({"bench.block_sizes": (32, 40)}, "config.bench.block_sizes", ValueError),
     ({"bench.timing_rounds": 0}, "config.bench.timing_rounds", ValueError),
+    ({"bench.timing_batches": -1}, "config.bench.timing_batches", ValueError),
     ({"stage": "eval"}, "config.eval.model_dir", ValueError),
     ({"stage": "eval", "eval.model_dir": "/nonexistent"}, "config.eval.model_dir",
      FileNotFoundError),
@@ -329,3 +330,15 @@ def test_timed_generate_counts_tokens_like_generate_and_times_its_batches_again(
   assert timed.seconds > 0 and other.seconds > 0
   row = bench_stage.timing({"decoder": "threshold"}, timed, 3)
   assert row["tokens_per_s"] == timed.tokens / timed.seconds and row["timing_rounds"] == 3
+  assert row["timed_batches"] == 1
+  # bench.timing_batches: only the first batches are timed, and tokens/s counts only theirs.
+  second = timed(cfg, params, [[9, 10, 11]], dc, jax.random.PRNGKey(2), max_prompt_len=8)
+  first_tokens = timed.call_tokens[0]
+  assert timed.call_tokens == [first_tokens, len(second["output_ids"][0])]
+  assert timed.tokens == sum(timed.call_tokens) > first_tokens
+  bench_stage.time_interleaved([timed], rounds=1, max_batches=1)
+  row = bench_stage.timing({}, timed, 1)
+  assert (timed.timed_tokens, row["timed_batches"]) == (first_tokens, 1)
+  assert row["tokens_per_s"] == first_tokens / timed.seconds
+  bench_stage.time_interleaved([timed], rounds=1)
+  assert (timed.timed_tokens, timed.timed_batches) == (timed.tokens, 2)

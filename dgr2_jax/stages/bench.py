@@ -15,7 +15,8 @@ tokens up to and including EOS of every row of every decoded batch (the padding 
 batch are real work and count). Metrics come from one pass over the split per row (which also
 compiles each decoder). Decode seconds come afterwards, side by side: the rows of one batch size
 decode their batches again in turn, row after row, `bench.timing_rounds` rounds, each batch timed
-to `jax.block_until_ready`, and a row's seconds are its median round. A machine whose speed
+to `jax.block_until_ready`, and a row's seconds are its median round (its first
+`bench.timing_batches` batches only, when set; tokens/s then counts those batches' tokens). A machine whose speed
 drifts (these do, by 2x between minutes) thus slows every row of a round alike instead of
 whichever row it happened to be running. Prompt rendering, parsing and scoring are not timed. speedup = tokens_per_s / the AR row's of the same
 batch size; nfe_speedup = its nfe_per_seq / nfe_per_seq (NFE = forward passes after prefill per
@@ -51,7 +52,9 @@ class TimedGenerate:
     self.forward_passes = 0
     self.batches = 0
     self.stats = {}
-    self.calls = []
+    self.calls = []         # per decoded batch: a call that decodes it again
+    self.call_tokens = []   # ... and the tokens it generated
+    self.timed_tokens = self.timed_batches = 0   # what `time_interleaved` timed
 
   def __call__(self, model_config, params, prompts, dcfg, rng, max_prompt_len=None):
     import jax
@@ -61,7 +64,8 @@ class TimedGenerate:
     out = jax.tree_util.tree_map(np.asarray, call())
     self.calls.append(call)
     out["output_ids"] = sampler.output_ids(out["tokens"], out["eos_pos"])
-    self.tokens += sum(len(x) for x in out["output_ids"])
+    self.call_tokens.append(sum(len(x) for x in out["output_ids"]))
+    self.tokens += self.call_tokens[-1]
     self.sequences += len(out["output_ids"])
     self.forward_passes += int(out["forward_passes"])
     self.batches += 1
@@ -71,15 +75,19 @@ class TimedGenerate:
     return out
 
 
-def time_interleaved(timers: list, rounds: int) -> None:
-  """Sets each timer's `seconds` to the median over `rounds` rounds of the time its batches take
-  to decode again, the timers taking turns within a round (module docstring)."""
+def time_interleaved(timers: list, rounds: int, max_batches: int = 0) -> None:
+  """Sets each timer's `seconds` to the median over `rounds` rounds of the time its batches (the
+  first `max_batches`, 0 = all) take to decode again, the timers taking turns within a round, and
+  its `timed_tokens` to those batches' tokens (module docstring)."""
   import jax
   per = [[] for _ in timers]
+  k = max_batches or None
+  for t in timers:
+    t.timed_tokens, t.timed_batches = sum(t.call_tokens[:k]), len(t.calls[:k])
   for _ in range(rounds):
     for t, acc in zip(timers, per):
       total = 0.0
-      for call in t.calls:
+      for call in t.calls[:k]:
         t0 = time.perf_counter()
         jax.block_until_ready(call())
         total += time.perf_counter() - t0
@@ -134,8 +142,9 @@ def measure(config, workdir: str, model_dir: str, block_size: int, threshold: fl
 
 def timing(row: dict, timed, rounds: int) -> dict:
   """The row with its decode seconds and tokens/s (after `time_interleaved`)."""
-  tps = timed.tokens / timed.seconds if timed.seconds > 0 else None
-  return dict(row, tokens_per_s=tps, decode_seconds=timed.seconds, timing_rounds=int(rounds))
+  tps = timed.timed_tokens / timed.seconds if timed.seconds > 0 else None
+  return dict(row, tokens_per_s=tps, decode_seconds=timed.seconds, timing_rounds=int(rounds),
+              timed_batches=timed.timed_batches)
 
 
 def add_speedups(rows: list[dict]) -> list[dict]:
@@ -183,6 +192,7 @@ def run(config, workdir: str) -> dict:
       return json.load(f)
   with common.atomic_dir(out, chash, {"stage": STAGE}) as tmp:
     rows, rounds, models = [], int(bc.get("timing_rounds", 5)), {}
+    timing_batches = int(bc.get("timing_batches", 0))
 
     def add(pending, tag, **kw):
       row, timed = measure(config, workdir, out_dir=os.path.join(tmp, "eval", tag), models=models, **kw)
@@ -201,8 +211,9 @@ def run(config, workdir: str) -> dict:
           if spec and int(b) > 1:
             add(pending, f"bs{batch}_spec_b{b}_t{tau:g}", model_dir=final, block_size=int(b), threshold=float(tau),
                 batch_size=batch, decoder="speculative", verifier_dir=ar)
-      print(f"bench: timing the {len(pending)} rows of batch {batch} side by side, {rounds} rounds", flush=True)
-      time_interleaved([t for _, t in pending], rounds)
+      print(f"bench: timing the {len(pending)} rows of batch {batch} side by side, {rounds} rounds"
+            + (f", {timing_batches} batches each" if timing_batches else ""), flush=True)
+      time_interleaved([t for _, t in pending], rounds, timing_batches)
       rows += [timing(r, t, rounds) for r, t in pending]
       for r in rows[-len(pending):]:
         print(f"bench: {r['decoder']} batch {r['batch_size']} B={r['block_size']} tau={r['threshold']:g}: "
