@@ -16,12 +16,13 @@ batch are real work and count). Metrics come from one pass over the split per ro
 compiles each decoder). Decode seconds come afterwards, side by side: the rows of one batch size
 decode their batches again in turn, row after row, `bench.timing_rounds` rounds, each batch timed
 to `jax.block_until_ready`, and a row's seconds are its median round (its first
-`bench.timing_batches` batches only, when set; tokens/s then counts those batches' tokens). A machine whose speed
-drifts (these do, by 2x between minutes) thus slows every row of a round alike instead of
-whichever row it happened to be running. Prompt rendering, parsing and scoring are not timed. speedup = tokens_per_s / the AR row's of the same
-batch size; nfe_speedup = its nfe_per_seq / nfe_per_seq (NFE = forward passes after prefill per
-sequence; speculative: drafter + verifier passes). Speculative rows add drafter_passes_per_seq,
-verifier_passes_per_seq and accepted_per_pass (drafts accepted per verifier pass).
+`bench.timing_batches` batches only, when set; tokens/s then counts those batches' tokens). A
+machine whose speed drifts (these do, by 2x between minutes) thus slows every row of a round alike
+instead of whichever row it happened to be running. Prompt rendering, parsing and scoring are not
+timed. speedup = tokens_per_s / the AR row's of the same batch size; nfe_speedup = its nfe_per_seq
+/ nfe_per_seq (NFE = forward passes after prefill per sequence; speculative: drafter + verifier
+passes). Speculative rows add drafter_passes_per_seq, verifier_passes_per_seq and
+accepted_per_pass (drafts accepted per verifier pass).
 
 Writes `workdir/bench/` (`eval/<row>/` predictions + metrics per row, `frontier.json`, DONE.json)
 and `workdir/results/frontier.{md,json,png}`.
