@@ -152,7 +152,7 @@ def main():
   a = ap.parse_args()
   from configs import demo
   from dgr2_jax.model.checkpoint import load_model_dir
-  from dgr2_jax.stages import eval as eval_stage
+  from dgr2_jax.decode import runtime
   from dgr2_jax.stages import traces as traces_stage
   from dgr2_jax.task import pipeline as pipeline_lib
   from dgr2_jax.task import tokenizer as tok_lib
@@ -172,7 +172,7 @@ def main():
     params = jax.device_put(params)
     c = config.copy_and_resolve_references()
     c.decode.block_size, c.decode.threshold = bs, tau
-    dc = eval_stage.decode_config(c, tids, mc)
+    dc = runtime.decode_config(c, tids, mc)
     for batch in map(int, a.batch_sizes.split(",")):
       toks, lens = sampler.left_pad(prompts[:batch], config.task.prompt_len, dc.pad_id)
       cols = {}

@@ -16,7 +16,7 @@ import os
 import platform
 from typing import Sequence
 
-from dgr2_jax.stages import common
+from dgr2_jax import fileio
 
 ACCURACY_COLUMNS = ("method", "recall@1", "recall@3", "ndcg@3", "valid_rate", "duplicate_rate",
                     "omission_rate", "out_of_set_rate", "unparseable_rate", "fallback_rate",
@@ -92,8 +92,8 @@ def write_accuracy(out_dir: str, rows: Sequence[dict], m: dict) -> list:
     if "method" not in r:
       raise ValueError(f"accuracy row without 'method': {r}")
   obj = [{**r, "run": m} for r in rows]
-  common.write_json_atomic(os.path.join(out_dir, "accuracy.json"), obj)
-  common.write_text_atomic(os.path.join(out_dir, "accuracy.md"),
+  fileio.write_json_atomic(os.path.join(out_dir, "accuracy.json"), obj)
+  fileio.write_text_atomic(os.path.join(out_dir, "accuracy.md"),
               _header("Accuracy ladder", m) + markdown_table(rows, ACCURACY_COLUMNS))
   return obj
 
@@ -142,8 +142,8 @@ def write_frontier(out_dir: str, rows: Sequence[dict], m: dict) -> list:
       if k not in r:
         raise ValueError(f"frontier row without {k!r}: {r}")
   obj = [{**r, "run": m} for r in rows]
-  common.write_json_atomic(os.path.join(out_dir, "frontier.json"), obj)
-  common.write_text_atomic(os.path.join(out_dir, "frontier.md"),
+  fileio.write_json_atomic(os.path.join(out_dir, "frontier.json"), obj)
+  fileio.write_text_atomic(os.path.join(out_dir, "frontier.md"),
               _header("Speed / accuracy frontier", m) + markdown_table(rows, FRONTIER_COLUMNS))
   plot_frontier(rows, os.path.join(out_dir, "frontier.png"))
   return obj

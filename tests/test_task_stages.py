@@ -8,6 +8,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from dgr2_jax.decode import runtime
 from dgr2_jax.stages import eval as eval_stage
 from dgr2_jax.stages import traces as traces_stage
 from dgr2_jax.task import answer, config, metrics, pipeline, synthetic, traces
@@ -191,6 +192,6 @@ def test_bench_rows_share_one_loaded_copy_of_each_model(traced, workdir, tmp_pat
                         generate_fn=bench_stage.TimedGenerate(fake), models=models)
   bench_stage.measure(cfg, workdir, ar, 1, 1.0, str(tmp_path / "ar_row"),
                       generate_fn=bench_stage.TimedGenerate(fake), models=models)
-  eval_stage.speculative_generate(ar, None, models)
+  runtime.speculative_generate(ar, None, models)
   assert loads == [final, ar]
   assert len(set(seen)) == 2 and seen[0] == seen[1]

@@ -103,7 +103,8 @@ def measure(config, workdir: str, model_dir: str, block_size: int, threshold: fl
   """One frontier row: eval metrics of `model_dir` decoded with `decoder` at (block_size,
   threshold, batch_size) -> (row without its timing, the TimedGenerate that decoded it; `timing`
   fills the row in once its timer's `seconds` are known). `models`: one dict for all rows of a
-  run, so their kept decode calls share one loaded copy of each model (`eval.load_on_device`)."""
+  run, so their kept decode calls share one loaded copy of each model (`decode.runtime.load_on_device`)."""
+  from dgr2_jax.decode import runtime
   from dgr2_jax.stages import eval as eval_stage
   bc = config.bench
   c = config.copy_and_resolve_references()
@@ -120,7 +121,7 @@ def measure(config, workdir: str, model_dir: str, block_size: int, threshold: fl
     c.decode.mode = decoder
     c.decode.verifier_dir = verifier_dir
   if generate_fn is None:
-    generate_fn = TimedGenerate(eval_stage.speculative_generate(verifier_dir, config.get("model"), models)
+    generate_fn = TimedGenerate(runtime.speculative_generate(verifier_dir, config.get("model"), models)
                                 if decoder == "speculative" else None)
   timed = generate_fn
   path = eval_stage.run(c, workdir, generate_fn=timed, models=models)

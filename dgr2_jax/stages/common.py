@@ -16,18 +16,7 @@ import shutil
 import tempfile
 from typing import Any, Iterator
 
-import ml_collections
-
-
-def to_plain(obj: Any) -> Any:
-  """ConfigDict / nested containers -> JSON-able plain Python."""
-  if isinstance(obj, (ml_collections.ConfigDict, ml_collections.FrozenConfigDict)):
-    obj = obj.to_dict()
-  if isinstance(obj, dict):
-    return {str(k): to_plain(v) for k, v in sorted(obj.items())}
-  if isinstance(obj, (list, tuple)):
-    return [to_plain(v) for v in obj]
-  return obj
+from dgr2_jax.fileio import to_plain, write_json_atomic, write_text_atomic  # noqa: F401 (re-exported)
 
 
 def config_hash(*parts: Any) -> str:
@@ -74,24 +63,8 @@ def atomic_dir(path: str, chash: str, extra: dict | None = None) -> Iterator[str
     raise
 
 
-def write_text_atomic(path: str, text: str) -> None:
-  """Writes text via a temporary file + rename (never a partial file)."""
-  d = os.path.dirname(os.path.abspath(path))
-  os.makedirs(d, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", dir=d)
-  try:
-    with os.fdopen(fd, "w") as f:
-      f.write(text)
-    os.replace(tmp, path)
-  except BaseException:
-    with contextlib.suppress(FileNotFoundError):
-      os.remove(tmp)
-    raise
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
-  """Writes JSON via a temporary file + rename (never a partial file)."""
-  write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=False))
 
 
 def model_hash(model_dir: str) -> str | None:
@@ -103,3 +76,49 @@ def model_hash(model_dir: str) -> str | None:
     return done.get("config_hash")
   f = os.path.join(model_dir, "config.json")
   return f"{os.path.getmtime(f)}:{os.path.getsize(f)}" if os.path.exists(f) else None
+
+
+# The pipeline's stage order and model chain: which model directory each stage reads.
+ORDER = ("data", "sids", "retriever", "traces", "sft", "teacher_rl", "convert", "cft", "opd", "rl",
+         "eval", "bench")
+MODEL_STAGES = ("sft", "teacher_rl", "convert", "cft", "opd", "rl")
+AR_STAGES = ("sft", "teacher_rl")
+
+
+def model_dir(workdir: str, stage: str) -> str:
+  return os.path.join(workdir, stage, "model")
+
+
+def enabled_stages(config) -> tuple:
+  return tuple(config.pipeline.stages) if "pipeline" in config else ORDER
+
+
+def teacher_stage(config) -> str:
+  """The AR teacher's stage: `teacher_rl` (SFT then RL, the paper's GR2) when the pipeline runs
+  it, else `sft`."""
+  return "teacher_rl" if "teacher_rl" in enabled_stages(config) else "sft"
+
+
+def teacher_model_dir(config, workdir: str) -> str:
+  return model_dir(workdir, teacher_stage(config))
+
+
+def previous_model_stage(config, stage: str) -> str:
+  """The model stage `stage` starts from: the last enabled model stage before it."""
+  if stage not in MODEL_STAGES:
+    raise ValueError(f"{stage!r} is not a model stage ({MODEL_STAGES})")
+  on = enabled_stages(config)
+  # sft counts even when dropped from the list: its model may come from an earlier run.
+  before = [s for s in MODEL_STAGES[:MODEL_STAGES.index(stage)] if s in on or s == "sft"]
+  if not before:
+    raise ValueError(f"stage {stage!r} has no model stage before it")
+  return before[-1]
+
+
+def previous_model_dir(config, workdir: str, stage: str) -> str:
+  """`workdir/<previous model stage>/model`; FileNotFoundError when it was not built."""
+  prev = previous_model_stage(config, stage)
+  path = model_dir(workdir, prev)
+  if read_done(stage_dir(workdir, prev)) is None or not os.path.isdir(path):
+    raise FileNotFoundError(f"{path} is not built: run the {prev!r} stage before {stage!r}")
+  return path

@@ -26,6 +26,7 @@ import os
 import numpy as np
 import tqdm
 
+from dgr2_jax.decode import runtime
 from dgr2_jax.stages import common
 from dgr2_jax.stages import traces as traces_stage
 from dgr2_jax.task import answer as answer_lib
@@ -33,9 +34,6 @@ from dgr2_jax.task import metrics as metrics_lib
 from dgr2_jax.task import pipeline as pipeline_lib
 from dgr2_jax.task import tokenizer as tok_lib
 from dgr2_jax.task import traces as traces_lib
-
-DECODE_FIELDS = ("block_size", "threshold", "temperature", "top_k", "top_p", "max_new_tokens",
-                 "steps_per_block", "kv_write")
 
 
 def _tokenizer_path(config, workdir: str) -> str:
@@ -45,79 +43,25 @@ def _tokenizer_path(config, workdir: str) -> str:
   return traces_stage.tokenizer_dir(config, workdir)
 
 
-def decode_config(config, tids: tok_lib.TokenIds, model_config=None):
-  """`DecodeConfig` from `config.decode`; EOS/mask ids from the model config when it has them,
-  else from the tokenizer; pad from the tokenizer (a dict when the sampler module is
-  unavailable, for injected generate functions)."""
-  dec = common.to_plain(config.decode) if "decode" in config else {}
-  dec.setdefault("max_new_tokens", config.task.response_len)
-  eos = tuple(getattr(model_config, "eos_ids", None) or (tids.eos_id,))
-  mask = getattr(model_config, "mask_token_id", None)
-  ids = dict(eos_ids=tuple(dec.get("eos_ids") or eos),
-             mask_token_id=dec.get("mask_token_id") or (mask if mask is not None else tids.mask_id),
-             pad_id=tids.pad_id)
-  try:
-    from dgr2_jax.decode import sampler
-  except ImportError:
-    return {**{k: dec[k] for k in DECODE_FIELDS if k in dec}, **ids}
-  return sampler.decode_config_from(dec, **ids)
 
 
-def score_output(out_ids, tokenizer, tids, ex: dict, sids) -> dict:
-  """Per-example record of one decoded output (ids truncated after EOS)."""
-  text = tokenizer.decode(list(out_ids), skip_special_tokens=False)
-  cand_sids = [sids[i] for i in ex["candidates"]]
-  parsed = answer_lib.parse_response(text, cand_sids)
-  rec = metrics_lib.score_parsed(parsed, ex["target_pos"])
-  rec.update(example_id=ex["example_id"], user=ex["user"], output=text,
-             ranking=list(parsed.ranking),
-             ranking_items=[ex["candidates"][k] for k in parsed.positions] if parsed.valid else None,
-             flags=sorted(parsed.flags), target=ex["target"], target_pos=ex["target_pos"],
-             reasoning_tokens=metrics_lib.reasoning_token_count(out_ids, tids.think_id,
-                                                                tids.end_think_id))
-  return rec
 
 
 def verifier_dir(config, workdir: str) -> str | None:
   """The verifier of `decode.mode='speculative'`: `decode.verifier_dir`, else the workdir's AR
-  teacher (`pipeline.teacher_model_dir`); None for threshold decoding."""
+  teacher (`common.teacher_model_dir`); None for threshold decoding."""
   dec = config.get("decode", {})
   if dec.get("mode", "threshold") != "speculative":
     return None
-  from dgr2_jax.stages import pipeline
-  path = dec.get("verifier_dir", "") or pipeline.teacher_model_dir(config, workdir)
+  path = dec.get("verifier_dir", "") or common.teacher_model_dir(config, workdir)
   if not os.path.isdir(path):
     raise FileNotFoundError(f"config.decode.verifier_dir: verifier model {path!r} does not exist (the AR "
                             "teacher of the workdir by default: run the sft stage, or set it)")
   return path
 
 
-def load_on_device(path: str, model_section=None, models: dict | None = None):
-  """(config with the run's runtime fields, params on the device) of a model directory.
-
-  `models`, a dict the caller keeps across calls of one config (bench: all its rows), holds each
-  directory loaded once: bench keeps every row's decode calls until it times them side by side,
-  and a copy per row would not fit at Qwen3-8B."""
-  if models is not None and path in models:
-    return models[path]
-  import jax
-  from dgr2_jax.model.checkpoint import load_model_dir
-  cfg, params = load_model_dir(path)
-  out = cfg.with_runtime(model_section), jax.device_put(params)   # once, not with every decode call
-  if models is not None:
-    models[path] = out
-  return out
 
 
-def speculative_generate(verifier_path: str, model_section=None, models: dict | None = None):
-  """A `generate_fn` (sampler.generate's signature) decoding speculatively with the verifier."""
-  from dgr2_jax.decode import speculative
-  vcfg, vparams = load_on_device(verifier_path, model_section, models)
-
-  def fn(model_config, params, prompts, dcfg, rng=None, max_prompt_len=None, return_device=False):
-    return speculative.generate(model_config, params, vcfg, vparams, prompts, dcfg, rng, max_prompt_len,
-                                return_device=return_device)
-  return fn
 
 
 def run(config, workdir: str, generate_fn=None, models: dict | None = None) -> str:
@@ -150,13 +94,13 @@ def run(config, workdir: str, generate_fn=None, models: dict | None = None) -> s
              for ex in examples]
   model_config = params = None
   if ec.model_dir:
-    model_config, params = load_on_device(ec.model_dir, config.get("model"), models)
+    model_config, params = runtime.load_on_device(ec.model_dir, config.get("model"), models)
   if generate_fn is None:
     if verifier:
-      generate_fn = speculative_generate(verifier, config.get("model"), models)
+      generate_fn = runtime.speculative_generate(verifier, config.get("model"), models)
     else:
       from dgr2_jax.decode.sampler import generate as generate_fn
-  dcfg = decode_config(config, tids, model_config)
+  dcfg = runtime.decode_config(config, tids, model_config)
   import jax
   rng = jax.random.PRNGKey(int(config.get("seed", 0)))
   records, bs = [], ec.batch_size
@@ -168,7 +112,7 @@ def run(config, workdir: str, generate_fn=None, models: dict | None = None) -> s
     res = generate_fn(model_config, params, chunk, dcfg, sub, max_prompt_len=tc.prompt_len)
     for i in range(n_real):
       ex, out_ids = examples[s + i], list(res["output_ids"][i])
-      rec = score_output(out_ids, tokenizer, tids, ex, sids)
+      rec = metrics_lib.score_output(out_ids, tokenizer, tids, ex, sids)
       rec.update(prompt_len=len(chunk[i]), nfe=int(np.asarray(res["nfe"])[i]),
                  commit_steps=np.asarray(res["commit_step"])[i][:len(out_ids)].tolist())
       for k in ("rounds", "accepted"):   # speculative decoding

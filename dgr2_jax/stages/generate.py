@@ -182,15 +182,15 @@ def run(config, workdir: str | None = None) -> str:
   slots = prompt_slots(prompts, int(config.get("max_prompt_len", 0)))
   generate_fn = None
   if d.get("mode", "threshold") == "speculative":
-    from dgr2_jax.stages import eval as eval_stage
+    from dgr2_jax.decode import runtime
     if not d.get("verifier_dir", ""):
       raise ValueError("config.decode.verifier_dir is required with decode.mode='speculative' (the AR model "
                        "that verifies the drafts of config.model_dir)")
     models = {}   # the verifier is read once, for the pair check and for decoding
-    vcfg = eval_stage.load_on_device(d.verifier_dir, None, models)[0]
+    vcfg = runtime.load_on_device(d.verifier_dir, None, models)[0]
     from dgr2_jax.decode import speculative
     speculative.check_pair(model_config, vcfg, dcfg.mask_token_id)
-    generate_fn = eval_stage.speculative_generate(d.verifier_dir, None, models)
+    generate_fn = runtime.speculative_generate(d.verifier_dir, None, models)
   recs = generate_all(model_config, params, prompts, dcfg, int(config.batch_size), slots,
                       int(config.get("seed", 0)), generate_fn=generate_fn)
   for r in recs:

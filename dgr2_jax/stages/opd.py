@@ -87,8 +87,8 @@ def load_policy(config, model_dir: str):
 
 
 def rollout_decode_config(config, tids, model_config, temperature: float):
-  from dgr2_jax.stages import eval as eval_stage
-  dc = eval_stage.decode_config(config, tids, model_config)
+  from dgr2_jax.decode import runtime
+  dc = runtime.decode_config(config, tids, model_config)
   return dataclasses.replace(dc, temperature=float(temperature))
 
 

@@ -23,6 +23,10 @@ import os
 import time
 
 from dgr2_jax.stages import common
+# The stage order and the model chain live with the workdir's layout; re-exported here.
+from dgr2_jax.stages.common import (AR_STAGES, MODEL_STAGES, ORDER, enabled_stages, model_dir,  # noqa: F401
+                                    previous_model_dir, previous_model_stage, teacher_model_dir,
+                                    teacher_stage)
 
 # Stage name -> module with `run(config, workdir)`. Imported lazily by `stage_fn`, so a missing
 # optional stage does not break the others.
@@ -43,11 +47,6 @@ STAGES = {
     "pipeline": "dgr2_jax.stages.pipeline",
 }
 NO_WORKDIR = ("generate",)  # stages that read/write only explicit paths
-
-ORDER = ("data", "sids", "retriever", "traces", "sft", "teacher_rl", "convert", "cft", "opd", "rl",
-         "eval", "bench")
-MODEL_STAGES = ("sft", "teacher_rl", "convert", "cft", "opd", "rl")
-AR_STAGES = ("sft", "teacher_rl")
 # Ladder method name of each diffusion training stage (prefixed by the earlier ones present).
 _TRAINED = ("cft", "opd", "rl")
 
@@ -74,45 +73,6 @@ def stage_fn(name: str):
                                 "exist in this checkout") from None
     raise
   return module.run
-
-
-def model_dir(workdir: str, stage: str) -> str:
-  return os.path.join(workdir, stage, "model")
-
-
-def enabled_stages(config) -> tuple:
-  return tuple(config.pipeline.stages) if "pipeline" in config else ORDER
-
-
-def teacher_stage(config) -> str:
-  """The AR teacher's stage: `teacher_rl` (SFT then RL, the paper's GR2) when the pipeline runs
-  it, else `sft`."""
-  return "teacher_rl" if "teacher_rl" in enabled_stages(config) else "sft"
-
-
-def teacher_model_dir(config, workdir: str) -> str:
-  return model_dir(workdir, teacher_stage(config))
-
-
-def previous_model_stage(config, stage: str) -> str:
-  """The model stage `stage` starts from: the last enabled model stage before it."""
-  if stage not in MODEL_STAGES:
-    raise ValueError(f"{stage!r} is not a model stage ({MODEL_STAGES})")
-  on = enabled_stages(config)
-  # sft counts even when dropped from the list: its model may come from an earlier run.
-  before = [s for s in MODEL_STAGES[:MODEL_STAGES.index(stage)] if s in on or s == "sft"]
-  if not before:
-    raise ValueError(f"stage {stage!r} has no model stage before it")
-  return before[-1]
-
-
-def previous_model_dir(config, workdir: str, stage: str) -> str:
-  """`workdir/<previous model stage>/model`; FileNotFoundError when it was not built."""
-  prev = previous_model_stage(config, stage)
-  path = model_dir(workdir, prev)
-  if common.read_done(common.stage_dir(workdir, prev)) is None or not os.path.isdir(path):
-    raise FileNotFoundError(f"{path} is not built: run the {prev!r} stage before {stage!r}")
-  return path
 
 
 def ladder_methods(config) -> list[tuple[str, str]]:

@@ -75,3 +75,17 @@ def reasoning_token_count(ids: Sequence[int], think_id: int, end_think_id: int) 
   s = ids.index(think_id) + 1
   e = ids.index(end_think_id, s) if end_think_id in ids[s:] else len(ids)
   return e - s
+
+
+def score_output(out_ids, tokenizer, tids, ex: dict, sids) -> dict:
+  """Per-example record of one decoded output (ids truncated after EOS)."""
+  text = tokenizer.decode(list(out_ids), skip_special_tokens=False)
+  cand_sids = [sids[i] for i in ex["candidates"]]
+  parsed = answer_lib.parse_response(text, cand_sids)
+  rec = score_parsed(parsed, ex["target_pos"])
+  rec.update(example_id=ex["example_id"], user=ex["user"], output=text,
+             ranking=list(parsed.ranking),
+             ranking_items=[ex["candidates"][k] for k in parsed.positions] if parsed.valid else None,
+             flags=sorted(parsed.flags), target=ex["target"], target_pos=ex["target_pos"],
+             reasoning_tokens=reasoning_token_count(out_ids, tids.think_id, tids.end_think_id))
+  return rec

@@ -1,0 +1,46 @@
+"""Plain data and atomic files: the bottom floor every writer of the package shares.
+
+`to_plain` turns configs into JSON-able Python (for hashes and records); the writers go through a
+temporary file + rename in the same directory, so a reader never sees a partial file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from typing import Any
+
+import ml_collections
+
+
+def to_plain(obj: Any) -> Any:
+  """ConfigDict / nested containers -> JSON-able plain Python."""
+  if isinstance(obj, (ml_collections.ConfigDict, ml_collections.FrozenConfigDict)):
+    obj = obj.to_dict()
+  if isinstance(obj, dict):
+    return {str(k): to_plain(v) for k, v in sorted(obj.items())}
+  if isinstance(obj, (list, tuple)):
+    return [to_plain(v) for v in obj]
+  return obj
+
+
+def write_text_atomic(path: str, text: str) -> None:
+  """Writes text via a temporary file + rename (never a partial file)."""
+  d = os.path.dirname(os.path.abspath(path))
+  os.makedirs(d, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", dir=d)
+  try:
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(tmp)
+    raise
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+  """Writes JSON via a temporary file + rename (never a partial file)."""
+  write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=False))
