@@ -44,3 +44,12 @@ def write_text_atomic(path: str, text: str) -> None:
 def write_json_atomic(path: str, obj: Any) -> None:
   """Writes JSON via a temporary file + rename (never a partial file)."""
   write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=False))
+
+
+def read_done(path: str) -> dict | None:
+  """The DONE.json a finished directory carries (stages/common.py), None when unfinished."""
+  done = os.path.join(path, "DONE.json")
+  if not os.path.exists(done):
+    return None
+  with open(done) as f:
+    return json.load(f)

@@ -16,7 +16,7 @@ import grain
 import numpy as np
 
 from dgr2_jax.data import tfds_builders
-from dgr2_jax.stages import common
+from dgr2_jax import fileio
 
 SPLITS = ("train", "valid", "test")
 _TFDS_SPLIT = {"train": "train", "valid": "validation", "test": "test"}
@@ -24,7 +24,7 @@ _TFDS_SPLIT = {"train": "train", "valid": "validation", "test": "test"}
 
 def _done(workdir: str, stage: str) -> dict:
   path = os.path.join(workdir, stage)
-  done = common.read_done(path)
+  done = fileio.read_done(path)
   if done is None:
     raise FileNotFoundError(f"{path} is not built: run the {stage!r} stage first")
   return done

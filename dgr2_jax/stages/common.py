@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from typing import Any, Iterator
 
-from dgr2_jax.fileio import to_plain, write_json_atomic, write_text_atomic  # noqa: F401 (re-exported)
+from dgr2_jax.fileio import read_done, to_plain, write_json_atomic, write_text_atomic  # noqa: F401 (re-exported)
 
 
 def config_hash(*parts: Any) -> str:
@@ -27,14 +27,6 @@ def config_hash(*parts: Any) -> str:
 
 def stage_dir(workdir: str, name: str) -> str:
   return os.path.join(workdir, name)
-
-
-def read_done(path: str) -> dict | None:
-  done = os.path.join(path, "DONE.json")
-  if not os.path.exists(done):
-    return None
-  with open(done) as f:
-    return json.load(f)
 
 
 def is_fresh(path: str, chash: str) -> bool:

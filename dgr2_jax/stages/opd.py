@@ -33,6 +33,7 @@ import numpy as np
 
 from dgr2_jax.stages import common
 from dgr2_jax.stages import sft as sft_stage
+from dgr2_jax.train.config import section  # noqa: F401 (rl, teacher_rl and benchmarks read it here)
 
 STAGE = "opd"
 PROMPT_KEYS = ("prompt_ids", "prompt_len", "target_rank_in_candidates", "candidates", "example_id")
@@ -64,15 +65,6 @@ def on_policy_config(config, *, rows: int, steps: int, lr: float, grad_accum: in
   c.train.optimizer.peak_lr = float(lr)
   c.train.optimizer.schedule = "constant"
   c.train.optimizer.warmup_steps = 0
-  return c
-
-
-def section(config, name: str, defaults):
-  """`config.<name>` over its defaults (`defaults()`), so a config missing newer fields still runs."""
-  c = defaults()
-  with c.unlocked():
-    for k, v in (config.get(name) or {}).items():
-      c[k] = v
   return c
 
 

@@ -61,3 +61,12 @@ def train_config() -> ml_collections.ConfigDict:
   s.epochs = 0  # > 0: train.total_steps = epochs * train examples // batch_size
   c.sft = s
   return c
+
+
+def section(config, name: str, defaults):
+  """`config.<name>` over its defaults (`defaults()`), so a config missing newer fields still runs."""
+  c = defaults()
+  with c.unlocked():
+    for k, v in (config.get(name) or {}).items():
+      c[k] = v
+  return c

@@ -36,10 +36,10 @@ def cache_bytes_per_token(mode: str, vocab: int, k: int) -> int:
 
 
 def _section(config, name):
-  from dgr2_jax.stages import opd as opd_stage
   from dgr2_jax.train import grpo, opd
+  from dgr2_jax.train.config import section
   defaults = {"opd": opd.opd_config, "rl": grpo.rl_config, "teacher_rl": grpo.rl_config}
-  return opd_stage.section(config, name, defaults[name]) if name in defaults else config[name]
+  return section(config, name, defaults[name]) if name in defaults else config[name]
 
 
 def stage_layout(config, stage: str) -> dict:
