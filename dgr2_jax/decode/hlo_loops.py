@@ -85,3 +85,31 @@ def loops(hlo: str) -> list[Loop]:
     loop.dots = sum(bool(re.search(r" (dot|convolution|custom-call)\(", line)) for line in lines)
   return list(found.values())
 
+
+
+def host_predicates(hlo: str, loop: Loop) -> int:
+  """Predicates one iteration of `loop` sends to the host on a GPU: its own condition when its
+  trip count is unknown, plus every conditional executed in its body and condition (a conditional
+  inside a nested loop of trip count n counts n times; an unknown-trip nested loop counts its
+  condition and body once: a lower bound)."""
+  comps = _computations(hlo)
+  memo = {}
+
+  def count(comp):
+    if comp in memo or comp not in comps:
+      return memo.get(comp, 0)
+    memo[comp] = 0   # recursion guard
+    n = 0
+    for line in comps[comp]:
+      if " while(" in line:
+        trip = _TRIP.search(line)
+        cond = re.search(r"condition=%?([\w.\-]+)", line).group(1)
+        body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+        n += int(trip.group(1)) * (count(cond) + count(body)) if trip else 1 + count(cond) + count(body)
+      elif " conditional(" in line:
+        n += 1 + max([count(c) for c in _called(line)] or [0])
+      else:
+        n += sum(count(c) for c in _called(line))
+    memo[comp] = n
+    return n
+  return int(loop.trip_count is None) + count(loop.condition) + count(loop.body)

@@ -39,7 +39,21 @@ back to one per step, i.e. to AR-like decoding at no speedup.
 `commit_step` counts the row's own steps (0, 1, ...); the key of a row's step s is
 `fold_in(row_key, s)`, so a row decodes exactly as it would alone (decode/reference.py decodes each
 row by itself). NFE per row = forward passes run after prefill while that row still had positions
-to commit; `forward_passes` = loop iterations that ran a forward (the batch's wall-clock count).
+to commit; `forward_passes` = loop steps that ran a forward with at least one unfinished row (the
+batch's wall-clock count); `masked_steps` = steps run after every row had finished (below).
+
+Host round trips. On a GPU every data-dependent predicate of the loop (a `while_loop` condition,
+a `lax.cond` / `lax.switch`) is copied to the host, which then launches what follows: a stall of
+tens of microseconds, a visible share of a small model's step. So the loop has one: an outer
+`while_loop` ("is every row finished?") whose body is a `fori_loop` of `steps_per_sync` (k) steps,
+whose trip count is static (XLA marks it `known_trip_count`: no predicate leaves the device). A
+row that finishes inside the k steps idles there (its commits, counters and outputs are left as
+they are), and once every row has finished the rest of the k steps are masked: wasted forwards,
+at most k - 1 per call, reported as `masked_steps`. Inside a step there is no cond: the sampling
+route is chosen at trace time from the DecodeConfig (`sampling_route`; the settings stay traced),
+AR step 0 (predicted by the prefill, no forward) runs before the loop, and 'fused' runs its 2B
+window on every step. `decode/hlo_loops.py` reads this structure back from the compiled program.
+The filtered route (top-k/top-p) still holds `sampling.py`'s conds on the traced filter settings.
 """
 
 from __future__ import annotations
@@ -472,8 +486,8 @@ def generate(model_config: Qwen3Config, params, prompts: Sequence[Sequence[int]]
 
   Returns numpy arrays: tokens [B,R] (the final canvas, mask id where never committed),
   commit_step [B,R] (-1 = never committed), logprob [B,R], nfe [B], steps [B] (the row's own
-  denoising steps), forward_passes, and output_ids (per row, truncated after the first EOS, EOS
-  included).
+  denoising steps), forward_passes, masked_steps (module docstring), and output_ids (per row,
+  truncated after the first EOS, EOS included).
   """
   dc = decode_config
   model_config, fn = decoder_for(model_config, dc)
