@@ -1,6 +1,6 @@
 """Host round trips of the decoders, counted from the compiled program (nothing is run).
 
-  python benchmarks/decode_round_trips.py [--steps_per_sync=8] [--vocab=151936] [--before=283a3f8]
+  python benchmarks/decode_round_trips.py [--steps_per_sync=8] [--vocab=151936] [--before=283a3f8] [--lower_8b]
 
 For each decoder (AR, block diffusion B = 32 with either K/V write, speculative; greedy, sampled
 and top-k routes) it compiles the decoder for a tiny-width model (the loop structure does not
@@ -8,7 +8,9 @@ depend on the width) and reads the optimised HLO (`dgr2_jax.decode.hlo_loops`): 
 trip count is data dependent (each sends its predicate to the host per iteration on a GPU), the
 conditionals executed per iteration of the decode loop, and the host predicates per decode step
 (per loop iteration / the steps an iteration runs). `--before=REV` counts the decoders as they
-were at git revision REV too (their decode/sampler.py and decode/speculative.py).
+were at git revision REV too (their decode/sampler.py and decode/speculative.py). `--lower_8b`
+first lowers the decoders at the Qwen3-8B shape from shapes only and counts their loops and
+conditionals (the structure at full size; compiling 36 unrolled layers on a CPU would take long).
 """
 
 from __future__ import annotations
@@ -58,7 +60,10 @@ def main():
   ap.add_argument("--steps_per_sync", type=int, default=8)
   ap.add_argument("--vocab", type=int, default=151_936)
   ap.add_argument("--before", default="", help="git revision of the decoders to compare with")
+  ap.add_argument("--lower_8b", action="store_true", help="also lower the decoders at the Qwen3-8B shape")
   a = ap.parse_args()
+  if a.lower_8b:
+    lower_8b()
   cfg = Qwen3Config(vocab_size=a.vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, mask_token_id=a.vocab - 1,
                     eos_token_id=5, pad_token_id=0)
@@ -77,6 +82,7 @@ def main():
     versions.append((a.before, old_sampler, old_speculative, 1))
   print(f"Host predicates per decode step, from the optimised HLO (CPU compile, vocab {a.vocab}, width 32); "
         f"steps_per_sync = {a.steps_per_sync}")
+  print("(a cond counts its own predicate plus those of its costliest branch: an upper bound where branches differ)")
   print(f"| {'decoder':17} | {'route':8} | {'code':8} | data-dependent loops | conds in loop | "
         f"predicates per loop iteration | per step |")
   print("|---|---|---|---|---|---|---|")
@@ -102,6 +108,32 @@ def main():
       c = count(fn, args, k)
       print(f"| {label:17} | {sampler.sampling_route(dc):8} | {name:8} | {c['unknown']} | {c['conds']} | "
             f"{c['per_iter']} | {c['per_step']:.3g} |", flush=True)
+
+
+def lower_8b():
+  """The Qwen3-8B shape in bf16, batch 1, a 2,200-token prompt: the lowered (not compiled) decoders'
+  while loops and conditionals (StableHLO `while`, `case` / `if`), from shapes only."""
+  import jax.numpy as jnp
+  v = 151_936
+  cfg = Qwen3Config(vocab_size=v, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, mask_token_id=v - 1,
+                    eos_token_id=5, pad_token_id=0, dtype="bfloat16", param_dtype="bfloat16")
+  params = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.PRNGKey(0)))
+  toks, lens = jax.ShapeDtypeStruct((1, 2200), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
+  sc = lambda d: jax.ShapeDtypeStruct((), d)
+  traced = (sc(jnp.float32), sc(jnp.float32), sc(jnp.int32), sc(jnp.float32),
+            jax.ShapeDtypeStruct((2,), jnp.uint32), sc(jnp.int32))
+  print("Qwen3-8B shape, bf16, batch 1, prompt 2,200, lowered: | decoder | whiles | conds |")
+  for label, bs, kv_write, temp in (("AR", 1, "separate", 0.0), ("B=32 fused", 32, "fused", 0.0),
+                                    ("B=32 separate sampled", 32, "separate", 0.7), ("speculative B=32", 32, "fused", 0.0)):
+    dc = sampler.DecodeConfig(block_size=bs, threshold=0.9, max_new_tokens=256, mask_token_id=v - 1, eos_ids=(5,),
+                              kv_write=kv_write, temperature=temp)
+    if label.startswith("speculative"):
+      txt = speculative.decoder_for(cfg, cfg, dc).lower(params, params, toks, lens, *traced).as_text()
+    else:
+      txt = sampler.decoder_for(cfg, dc)[1].lower(params, toks, lens, *traced).as_text()
+    print(f"| {label} | {txt.count('stablehlo.while')} | {txt.count('stablehlo.case') + txt.count('stablehlo.if')} |",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -90,8 +90,9 @@ def loops(hlo: str) -> list[Loop]:
 def host_predicates(hlo: str, loop: Loop) -> int:
   """Predicates one iteration of `loop` sends to the host on a GPU: its own condition when its
   trip count is unknown, plus every conditional executed in its body and condition (a conditional
-  inside a nested loop of trip count n counts n times; an unknown-trip nested loop counts its
-  condition and body once: a lower bound)."""
+  inside a nested loop of trip count n counts n times, plus the predicates of its costliest
+  branch: an upper bound where branches differ; an unknown-trip nested loop counts its condition
+  and body once)."""
   comps = _computations(hlo)
   memo = {}
 
