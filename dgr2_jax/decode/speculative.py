@@ -75,6 +75,10 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
             mask_id: int, kv_write: str, sampled: bool, accept_all: bool, route: str | None, steps_per_sync: int,
             dparams, vparams, prompt_tokens, prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block):
   bsz = block_size
+  if route in ("greedy", "sampled"):
+    # The filters are off (top_k 0, top_p 1 at run time too): as constants they let XLA drop the
+    # cond `sampling.decoding_logprobs` holds on them, a host round trip per step on a GPU.
+    top_k, top_p = 0, 1.0
   dcfg, vcfg = dcfg.replace(scan_layers=False), vcfg.replace(scan_layers=False)
   dparams, vparams = qwen3.unstack_layers(dparams), qwen3.unstack_layers(vparams)  # per layer, once
   # Block 0 needs a previous block of prompt slots (the drafter) and the verifier a prompt token
