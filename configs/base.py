@@ -71,6 +71,10 @@ def decode_config() -> ml_collections.ConfigDict:
   # How a finished block's clean K/V are written (decode/sampler.py): 'auto' = 'separate' on CPU,
   # 'fused' on accelerators; 'fused' | 'separate' force one.
   c.kv_write = "auto"
+  # Decode steps per host round trip (decode/sampler.py): the decode loop asks "is every row
+  # finished?" once per this many steps; up to this many - 1 steps after the last row finished
+  # are masked (wasted). 1 = ask after every step.
+  c.steps_per_sync = 8
   return c
 
 

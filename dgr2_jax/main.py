@@ -90,6 +90,9 @@ def _check_decode(d, name: str = "decode"):
     _fail(f"{name}.steps_per_block", f"must be an int >= 0 (0 = no budget), got {spb!r}")
   if d.get("mode", "threshold") not in DECODE_MODES:
     _fail(f"{name}.mode", f"must be one of {list(DECODE_MODES)}, got {d.mode!r}")
+  sps = d.get("steps_per_sync", 8)
+  if isinstance(sps, bool) or not isinstance(sps, int) or sps < 1:
+    _fail(f"{name}.steps_per_sync", f"must be an int >= 1, got {sps!r}")
   if d.get("kv_write", "auto") not in KV_WRITES:
     _fail(f"{name}.kv_write", f"must be one of {list(KV_WRITES)}, got {d.kv_write!r}")
   if d.get("mode", "threshold") == "speculative":

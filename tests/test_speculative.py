@@ -108,9 +108,11 @@ def test_jitted_loop_equals_python_reference(models, bs, kv_write):
         np.testing.assert_array_equal(out[k], ref[k], err_msg=f"{k} tau={tau} T={temp}")
       np.testing.assert_allclose(out["logprob"], ref["logprob"], atol=1e-5)
       assert out["output_ids"] == ref["output_ids"]
-  # Thresholds are traced: one compilation per static setting.
-  fn = speculative.decoder_for(cfg, cfg, _dc(bs, 0.5, eos_ids=(eos,), temperature=1.0, kv_write=kv_write))
+  # Thresholds are traced: one compilation per static setting (the sampling route is one: the
+  # sampled runs above used top-k, the greedy ones ran at every tau).
+  fn = speculative.decoder_for(cfg, cfg, _dc(bs, 0.5, eos_ids=(eos,), temperature=1.0, top_k=20, kv_write=kv_write))
   assert fn._cache_size() == 1
+  assert speculative.decoder_for(cfg, cfg, _dc(bs, 0.5, eos_ids=(eos,), kv_write=kv_write))._cache_size() == 1
 
 
 def _enumerated(cfg, verifier, prompt, temperature):

@@ -39,7 +39,21 @@ back to one per step, i.e. to AR-like decoding at no speedup.
 `commit_step` counts the row's own steps (0, 1, ...); the key of a row's step s is
 `fold_in(row_key, s)`, so a row decodes exactly as it would alone (decode/reference.py decodes each
 row by itself). NFE per row = forward passes run after prefill while that row still had positions
-to commit; `forward_passes` = loop iterations that ran a forward (the batch's wall-clock count).
+to commit; `forward_passes` = loop steps that ran a forward with at least one unfinished row (the
+batch's wall-clock count); `masked_steps` = steps run after every row had finished (below).
+
+Host round trips. On a GPU every data-dependent predicate of the loop (a `while_loop` condition,
+a `lax.cond` / `lax.switch`) is copied to the host, which then launches what follows: a stall of
+tens of microseconds, a visible share of a small model's step. So the loop has one: an outer
+`while_loop` ("is every row finished?") whose body is a `fori_loop` of `steps_per_sync` (k) steps,
+whose trip count is static (XLA marks it `known_trip_count`: no predicate leaves the device). A
+row that finishes inside the k steps idles there (its commits, counters and outputs are left as
+they are), and once every row has finished the rest of the k steps are masked: wasted forwards,
+at most k - 1 per call, reported as `masked_steps`. Inside a step there is no cond: the sampling
+route is chosen at trace time from the DecodeConfig (`sampling_route`; the settings stay traced),
+AR step 0 (predicted by the prefill, no forward) runs before the loop, and 'fused' runs its 2B
+window on every step. `decode/hlo_loops.py` reads this structure back from the compiled program.
+The filtered route (top-k/top-p) still holds `sampling.py`'s conds on the traced filter settings.
 """
 
 from __future__ import annotations
@@ -86,6 +100,10 @@ class DecodeConfig:
   # counted in its NFE), or 'auto': 'separate' on CPU, where a 2B window costs over twice a B
   # window, else 'fused' (on accelerators a decode window's cost barely depends on its width).
   kv_write: str = "auto"
+  # Decode steps per host round trip (static): the loop checks "every row finished?" on the host
+  # once per `steps_per_sync` steps and runs that many steps on the device in between, a finished
+  # row's steps masked (module docstring, "Host round trips").
+  steps_per_sync: int = 8
 
   def __post_init__(self):
     if self.kv_write not in KV_WRITES:
@@ -101,6 +119,8 @@ class DecodeConfig:
       raise ValueError(f"decode.temperature must be >= 0, got {self.temperature}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"decode.top_p must be in (0, 1], got {self.top_p}")
+    if self.steps_per_sync < 1:
+      raise ValueError(f"decode.steps_per_sync must be >= 1, got {self.steps_per_sync}")
     if self.steps_per_block < 0:
       raise ValueError(f"decode.steps_per_block must be >= 0, got {self.steps_per_block}")
     if self.block_size > 1 and self.mask_token_id is None:
@@ -168,13 +188,15 @@ def _sampled_choice(key, logits, temperature, mask_id):
   return tok, jnp.take_along_axis(x, tok[..., None], -1)[..., 0] - lse
 
 
-def choose(config, params, hidden, keys, temperature, top_k, top_p, mask_id):
+def choose(config, params, hidden, keys, temperature, top_k, top_p, mask_id, route: str | None = None):
   """Token and its log-prob under the decoding distribution, per position.
 
   hidden [B,N,E] (projected to the vocabulary here, a few rows at a time at large vocabularies:
   model/logits.py); keys [B] (one per row). Without top-k/top-p: `_greedy_choice` or
   `_sampled_choice` (one pass over the logits); with them `sampling.decoding_logprobs` +
-  `sampling.choose_tokens` (the sorted filters)."""
+  `sampling.choose_tokens` (the sorted filters). `route` (static, `sampling_route`) picks one at
+  trace time; None picks it on the device from the traced settings (a `lax.switch`, whose
+  predicate a GPU copies to the host: the decoders always pass the route)."""
   def rows(xs):
     h, k = xs
     lg = qwen3.lm_head(config, params, h)                                       # [b,N,V]
@@ -185,11 +207,23 @@ def choose(config, params, hidden, keys, temperature, top_k, top_p, mask_id):
       return tok, jnp.take_along_axis(lp, tok[..., None], -1)[..., 0]
     greedy = lambda lg: _greedy_choice(lg, mask_id)
     sampled = lambda lg: jax.vmap(lambda kk, l: _sampled_choice(kk, l, temperature, mask_id))(k, lg)
+    if route is not None:
+      return {"greedy": greedy, "sampled": sampled, "filtered": general}[route](lg)
     filtered = (top_k > 0) | (top_p < 1.0)
-    route = jnp.where(filtered, 2, jnp.where(temperature > 0, 1, 0))
-    return jax.lax.switch(route, (greedy, sampled, general), lg)
+    return jax.lax.switch(jnp.where(filtered, 2, jnp.where(temperature > 0, 1, 0)), (greedy, sampled, general), lg)
   b, n = hidden.shape[:2]
   return logits_lib.map_positions(rows, (hidden, keys), _rows_per_chunk(config, b, n))
+
+
+ROUTES = ("greedy", "sampled", "filtered")
+
+
+def sampling_route(dc: "DecodeConfig") -> str:
+  """The route of `choose` for a DecodeConfig, fixed at trace time (the settings inside it stay
+  traced: one compilation serves every temperature > 0, every top-k/top-p)."""
+  if dc.top_k > 0 or dc.top_p < 1.0:
+    return "filtered"
+  return "sampled" if dc.temperature > 0 else "greedy"
 
 
 def confidence_rank(conf, cand):
@@ -270,12 +304,17 @@ class BlockWindows:
       return canvas_only((carry, cache)) + (no_write,)
     if self.kv_write == "separate":
       return separate((carry, cache)) + (due,)
-    return jax.lax.cond(due.any(), fused, canvas_only, (carry, cache)) + (no_write,)
+    # 'fused' runs the 2B window on every step, not `lax.cond(due.any(), fused, canvas_only)`: a
+    # GPU copies a cond's predicate to the host (a round trip per step), while 'fused' is chosen
+    # where a 2B window costs about what a B window does (small batch on an accelerator), and at
+    # large batch some row starts a block on most steps anyway. A mid-block row rewrites its
+    # previous block's clean K/V with the same values and keeps its carried distribution.
+    return fused((carry, cache)) + (no_write,)
 
 
 def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids: tuple,
-            mask_id: int, kv_write: str, params, prompt_tokens, prompt_len, threshold, temperature, top_k,
-            top_p, rng, steps_per_block=0):
+            mask_id: int, kv_write: str, route: str | None, steps_per_sync: int, params, prompt_tokens,
+            prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block=0):
   c, bsz = model_config.replace(scan_layers=False), block_size
   params = qwen3.unstack_layers(params)  # per-layer params for the KV cache, once per call
   if prompt_tokens.shape[1] < bsz:  # block 0 needs a previous block of prompt slots (pad slots)
@@ -297,31 +336,25 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
 
   win = BlockWindows(c, params, prompt_tokens, prompt_len, positions, bsz, num_blocks, kv_write)
 
-  def predictions(st):
-    """-> (hidden predicting each index of every row's active block [B,bsz,E], carry, cache, ran,
-    writing)."""
+  def predictions(st, forward: bool):
+    """-> (hidden predicting each index of every row's active block [B,bsz,E], carry, cache,
+    writing). `forward` False (static): AR step 0, predicted by the prefill's carry."""
     if bsz > 1:
-      preds, carry, cache, writing = win.predictions(st["block"], st["first"], st["done"], st["canvas"],
-                                                     st["carry"], st["cache"])
-      return preds, carry, cache, jnp.bool_(True), writing
-    # AR: the one token of the previous block; block 0 was predicted by the prefill
-    blk = jnp.minimum(st["block"], num_blocks - 1)
+      return win.predictions(st["block"], st["first"], st["done"], st["canvas"], st["carry"], st["cache"])
+    if not forward:
+      return st["carry"][:, None], st["carry"], st["cache"], jnp.zeros_like(st["done"])
+    # AR: the one token of the previous block
+    start = p + jnp.minimum(st["block"], num_blocks - 1) - 1
     seq = jnp.concatenate([prompt_tokens, st["canvas"]], axis=1)
+    h, cache = run(row_slice(seq, start, 1), start, st["cache"])
+    return h[:, :1], h[:, 0], cache, jnp.zeros_like(st["done"])
 
-    def step(args):
-      carry, cache = args
-      start = p + blk - 1
-      h, cache = run(row_slice(seq, start, 1), start, cache)
-      return h[:, :1], h[:, 0], cache
-    ran = st["iteration"] > 0
-    preds, carry, cache = jax.lax.cond(ran, step, lambda a: (a[0][:, None], a[0], a[1]),
-                                       (st["carry"], st["cache"]))
-    return preds, carry, cache, ran, jnp.zeros_like(st["done"])
-
-  def body(st):
+  def body(st, forward: bool = True):
+    """One denoising step of every unfinished row. A finished row's outputs and counters are left
+    as they are (its forward runs on a clamped block and writes only K/V no later read uses)."""
     j, step = st["block"], st["step"]                                 # [B], [B]
     jc = jnp.minimum(j, num_blocks - 1)
-    preds, carry, cache, ran, writing = predictions(st)   # writing rows commit nothing this time
+    preds, carry, cache, writing = predictions(st, forward)   # writing rows commit nothing this time
     idx = jnp.arange(bsz)[None, :]
     canvas = row_slice(st["canvas"], jc * bsz, bsz)                   # [B,bsz]
     eos_in_block = st["eos_pos"] - jc * bsz                           # [B] (may be <0 or >=bsz)
@@ -329,7 +362,7 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
     has_cand = cand.any(axis=1)
 
     keys = jax.vmap(jax.random.fold_in)(row_keys, step)
-    tok, tok_lp = choose(c, params, preds, keys, temperature, top_k, top_p, mask_id)
+    tok, tok_lp = choose(c, params, preds, keys, temperature, top_k, top_p, mask_id, route)
     steps_left = jnp.where(steps_per_block > 0,
                            jnp.maximum(steps_per_block - (step - st["block_start"]), 1), bsz)
     commit = commit_mask(jnp.exp(tok_lp), cand, threshold, steps_left)
@@ -342,8 +375,9 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
     remaining = (new_block == mask_id) & (idx < (eos_pos - jc * bsz)[:, None]) & ~st["done"][:, None]
     block_done = ~remaining.any(axis=1) & ~st["done"] & ~writing
     done = st["done"] | (block_done & ((eos_pos < (jc + 1) * bsz) | (jc + 1 >= num_blocks)))
+    live = ~st["done"].all()                                          # some row had work this step
     return dict(
-        iteration=st["iteration"] + 1,
+        iteration=st["iteration"] + int(forward),
         step=step + has_cand.astype(jnp.int32), block=jnp.where(block_done, j + 1, j),
         first=block_done | (st["first"] & ~writing & ~has_cand),
         block_start=jnp.where(block_done, step + 1, st["block_start"]),
@@ -351,14 +385,20 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
         commit_step=st["commit_step"].at[at].set(jnp.where(commit, step[:, None], st["commit_step"][at])),
         logprob=st["logprob"].at[at].set(jnp.where(commit, tok_lp, st["logprob"][at])),
         eos_pos=eos_pos, done=done, carry=carry, cache=cache,
-        nfe=st["nfe"] + (ran & (has_cand | writing)).astype(jnp.int32),
-        forward_passes=st["forward_passes"] + ran.astype(jnp.int32))
+        nfe=st["nfe"] + (forward & (has_cand | writing)).astype(jnp.int32),
+        forward_passes=st["forward_passes"] + (forward & live).astype(jnp.int32),
+        masked_steps=st["masked_steps"] + (forward & ~live).astype(jnp.int32))
 
   def cond(st):
-    # Every iteration commits >= 1 token in each row that still has work (or writes its previous
-    # block's K/V), so a row takes at most R steps + one write per block; the bound only guards
-    # against a broken invariant.
+    # The only predicate the host reads: once per `steps_per_sync` steps. Every step commits >= 1
+    # token in each row that still has work (or writes its previous block's K/V), so a row takes
+    # at most R steps + one write per block; the bound only guards against a broken invariant.
     return ~st["done"].all() & (st["iteration"] < r + num_blocks + 1)
+
+  def steps(st):
+    # A fixed trip count: no predicate leaves the device. Once every row is finished, the rest
+    # of these steps are masked (they change no output; counted in `masked_steps`).
+    return jax.lax.fori_loop(0, steps_per_sync, lambda _, x: body(x), st)
 
   st = dict(
       iteration=jnp.int32(0), step=jnp.zeros((b,), jnp.int32), block=jnp.zeros((b,), jnp.int32),
@@ -366,29 +406,36 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
       canvas=jnp.full((b, r), mask_id, jnp.int32), commit_step=jnp.full((b, r), -1, jnp.int32),
       logprob=jnp.zeros((b, r), jnp.float32), eos_pos=jnp.full((b,), r, jnp.int32),
       done=jnp.zeros((b,), bool), carry=carry, cache=cache,
-      nfe=jnp.zeros((b,), jnp.int32), forward_passes=jnp.int32(0))
-  st = jax.lax.while_loop(cond, body, st)
+      nfe=jnp.zeros((b,), jnp.int32), forward_passes=jnp.int32(0), masked_steps=jnp.int32(0))
+  if bsz == 1:  # AR step 0 before the loop: the prefill predicted index 0, no forward
+    st = body(st, forward=False)
+  st = jax.lax.while_loop(cond, steps, st)
   return dict(tokens=st["canvas"], commit_step=st["commit_step"], logprob=st["logprob"],
               nfe=st["nfe"], eos_pos=st["eos_pos"], steps=st["step"],
-              forward_passes=st["forward_passes"])
+              forward_passes=st["forward_passes"], masked_steps=st["masked_steps"])
 
 
 @functools.lru_cache(maxsize=32)
 def compiled_decoder(model_config: Qwen3Config, block_size: int, max_new_tokens: int,
-                     eos_ids: tuple, mask_id: int, kv_write: str = "auto"):
-  """One jitted function per static shape/config; tau, temperature, top-k/p, the key and the step
-  budget are traced."""
+                     eos_ids: tuple, mask_id: int, kv_write: str = "auto", route: str | None = None,
+                     steps_per_sync: int = 8):
+  """One jitted function per static shape/config and sampling route (`sampling_route`; None =
+  picked on the device per step); tau, temperature, top-k/p, the key and the step budget are
+  traced."""
+  if route is not None and route not in ROUTES:
+    raise ValueError(f"sampling route must be one of {ROUTES}, got {route!r}")
   fn = functools.partial(_decode, model_config, block_size, max_new_tokens // block_size,
-                         tuple(eos_ids), mask_id, resolve_kv_write(kv_write))
+                         tuple(eos_ids), mask_id, resolve_kv_write(kv_write), route, int(steps_per_sync))
   return jax.jit(fn)
 
 
 def decoder_for(model_config: Qwen3Config, dc: DecodeConfig):
-  """(the model config it runs, the compiled decoder) for a DecodeConfig."""
+  """(the model config it runs, the compiled decoder) for a DecodeConfig. The decoder serves
+  every DecodeConfig with the same static fields and `sampling_route` (run it with `run_decoder`)."""
   model_config = model_for_decoding(model_config, dc)
   mask_id = dc.mask_token_id if dc.mask_token_id is not None else dc.pad_id
   return model_config, compiled_decoder(model_config, dc.block_size, dc.max_new_tokens, tuple(dc.eos_ids),
-                                        mask_id, dc.kv_write)
+                                        mask_id, dc.kv_write, sampling_route(dc), dc.steps_per_sync)
 
 
 def run_decoder(fn, params, prompt_tokens, prompt_len, dc: DecodeConfig, rng=None):
@@ -439,8 +486,8 @@ def generate(model_config: Qwen3Config, params, prompts: Sequence[Sequence[int]]
 
   Returns numpy arrays: tokens [B,R] (the final canvas, mask id where never committed),
   commit_step [B,R] (-1 = never committed), logprob [B,R], nfe [B], steps [B] (the row's own
-  denoising steps), forward_passes, and output_ids (per row, truncated after the first EOS, EOS
-  included).
+  denoising steps), forward_passes, masked_steps (module docstring), and output_ids (per row,
+  truncated after the first EOS, EOS included).
   """
   dc = decode_config
   model_config, fn = decoder_for(model_config, dc)

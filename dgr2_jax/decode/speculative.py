@@ -38,8 +38,13 @@ Outputs per row: tokens [B,R] (mask id where never emitted), logprob (the verifi
 log-prob of each emitted token, as its own AR decoding records it), commit_round (round that
 emitted each position, -1 never), eos_pos, rounds (= verifier passes), drafter_passes (drafter
 forwards, K/V writes included), accepted (drafts accepted), round_accepts [B,R] (drafts accepted in
-round i, -1 past the last round), nfe (drafter + verifier forwards), and forward_passes (loop
-iterations) / verifier_calls for the batch.
+round i, -1 past the last round), nfe (drafter + verifier forwards), and for the batch:
+forward_passes (loop steps that ran with at least one unfinished row: each runs a drafter forward),
+masked_steps (steps run after every row finished, the tail of the last `steps_per_sync` group:
+wasted work) and verifier_calls (verifier forwards).
+Host round trips (decode/sampler.py): the loop is a `while_loop` over `decode.steps_per_sync` steps
+of fixed count, so its predicate reaches the host once per that many steps; one `lax.cond` per step
+remains, the verification's (it skips a verifier forward whenever no row is ready).
 decode/reference.py `reference_speculative` is the plain-Python judge of this loop.
 """
 
@@ -67,9 +72,13 @@ def check_pair(drafter: Qwen3Config, verifier: Qwen3Config, mask_id: int) -> Non
 
 
 def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: int, eos_ids: tuple,
-            mask_id: int, kv_write: str, sampled: bool, accept_all: bool, dparams, vparams, prompt_tokens,
-            prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block):
+            mask_id: int, kv_write: str, sampled: bool, accept_all: bool, route: str | None, steps_per_sync: int,
+            dparams, vparams, prompt_tokens, prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block):
   bsz = block_size
+  if route in ("greedy", "sampled"):
+    # The filters are off (top_k 0, top_p 1 at run time too): as constants they let XLA drop the
+    # cond `sampling.decoding_logprobs` holds on them, a host round trip per step on a GPU.
+    top_k, top_p = 0, 1.0
   dcfg, vcfg = dcfg.replace(scan_layers=False), vcfg.replace(scan_layers=False)
   dparams, vparams = qwen3.unstack_layers(dparams), qwen3.unstack_layers(vparams)  # per layer, once
   # Block 0 needs a previous block of prompt slots (the drafter) and the verifier a prompt token
@@ -112,10 +121,10 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
     keys = jax.vmap(jax.random.fold_in)(draft_keys, st["dstep"])
     if sampled:
       lp = sampler.decoding_logprobs_of(dcfg, dparams, preds, temperature, top_k, top_p, mask_id)  # [B,bsz,Vd]
-      tok = jax.vmap(lambda k, l: sampling.choose_tokens(k, l, temperature))(keys, lp)
+      tok = jax.vmap(sampling.categorical)(keys, lp)   # choose_tokens at temperature > 0, without its cond
       conf = jnp.exp(jnp.max(lp, axis=-1))   # not the drawn token's: see the module docstring
     else:
-      tok, tok_lp = sampler.choose(dcfg, dparams, preds, keys, temperature, top_k, top_p, mask_id)
+      tok, tok_lp = sampler.choose(dcfg, dparams, preds, keys, temperature, top_k, top_p, mask_id, route)
       conf = jnp.exp(tok_lp)
     left = jnp.where(steps_per_block > 0, jnp.maximum(steps_per_block - (st["dstep"] - st["round_start"]), 1), bsz)
     commit = sampler.commit_mask(conf, cand, threshold, left)
@@ -152,7 +161,7 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
     n_drafts = jnp.minimum((j + 1) * bsz, st["eos_draft"] + 1) - n     # [B]
     vkeys = jax.vmap(jax.random.fold_in)(verify_keys, st["rounds"])
     if not sampled:
-      a, a_lp = sampler.choose(vcfg, vparams, h, vkeys, temperature, top_k, top_p, v_mask)
+      a, a_lp = sampler.choose(vcfg, vparams, h, vkeys, temperature, top_k, top_p, v_mask, route)
       ok = (drafts == a) & (kwin < n_drafts[:, None])
       m = jnp.argmin(jnp.concatenate([ok, jnp.zeros_like(ok[:, :1])], 1), axis=1)   # leading matches
       x = jnp.take_along_axis(a, m[:, None], 1)[:, 0]
@@ -224,20 +233,32 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
                 round_accepts=ra, verifier_calls=st["verifier_calls"] + 1)
 
   def body(st):
+    # The drafter runs on every step, not under `lax.cond(some row drafting)`: a GPU copies a
+    # cond's predicate to the host, and a verified row drafts again at the next step, so that cond
+    # skipped a forward almost never. A row not drafting (ready, or finished) commits nothing.
+    live = ~st["done"].all()
+    st = draft(st)
     # A complete draft can wait for its verification without changing any output (the draft and
     # its round's key are fixed), so a batch verifies when at least half of its live rows are
-    # ready or none is still drafting: fewer verifier passes at batch > 1, the same rounds.
-    st = jax.lax.cond((~st["done"] & ~ready_rows(st)).any(), draft, lambda x: x, st)
-    ready, live = ready_rows(st), ~st["done"]
-    go = ready.any() & ((2 * ready.sum() >= live.sum()) | ~(live & ~ready).any())
+    # ready or none is still drafting: fewer verifier passes at batch > 1, the same rounds. This
+    # cond stays: its predicate's round trip costs far less than the verifier forward it skips on
+    # the steps where no row is ready (every drafter step but the last of a round).
+    ready, live_rows = ready_rows(st), ~st["done"]
+    go = ready.any() & ((2 * ready.sum() >= live_rows.sum()) | ~(live_rows & ~ready).any())
     st = jax.lax.cond(go, verify, lambda x: x, st)
-    return dict(st, iteration=st["iteration"] + 1)
+    return dict(st, iteration=st["iteration"] + 1, forward_passes=st["forward_passes"] + live.astype(jnp.int32),
+                masked_steps=st["masked_steps"] + (~live).astype(jnp.int32))
 
   def cond(st):
+    # The loop's host-visible predicate, read once per `steps_per_sync` steps (decode/sampler.py).
     return ~st["done"].all() & (st["iteration"] < r * (bsz + 2) + num_blocks)
 
+  def steps(st):
+    # A fixed trip count; once every row is finished the rest are masked (no output changes).
+    return jax.lax.fori_loop(0, steps_per_sync, lambda _, x: body(x), st)
+
   st = dict(
-      iteration=jnp.int32(0), verifier_calls=jnp.int32(0),
+      iteration=jnp.int32(0), verifier_calls=jnp.int32(0), forward_passes=jnp.int32(0), masked_steps=jnp.int32(0),
       block=jnp.zeros((b,), jnp.int32), first=jnp.ones((b,), bool), dstep=jnp.zeros((b,), jnp.int32),
       round_start=jnp.zeros((b,), jnp.int32), canvas=jnp.full((b, r + bsz), mask_id, jnp.int32),
       cstep=jnp.full((b, r + bsz), -1, jnp.int32), eos_draft=jnp.full((b,), r, jnp.int32),
@@ -248,12 +269,13 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
       round_accepts=jnp.full((b, r), -1, jnp.int32))
   if sampled:
     st["qlp"] = jnp.zeros((b, bsz, dcfg.vocab_size), jnp.float32)
-  st = jax.lax.while_loop(cond, body, st)
+  st = jax.lax.while_loop(cond, steps, st)
   # nfe / commit_step / steps: the threshold decoder's names, so eval and generate read either
   # (NFE = the row's drafter + verifier forwards after the prefills; a round is its step).
   return dict(tokens=st["canvas"][:, :r], logprob=st["logprob"], commit_round=st["commit_round"],
               eos_pos=st["eos_pos"], rounds=st["rounds"], drafter_passes=st["drafter_passes"],
-              accepted=st["accepted"], round_accepts=st["round_accepts"], forward_passes=st["iteration"],
+              accepted=st["accepted"], round_accepts=st["round_accepts"], forward_passes=st["forward_passes"],
+              masked_steps=st["masked_steps"],
               verifier_calls=st["verifier_calls"], nfe=st["drafter_passes"] + st["rounds"],
               commit_step=st["commit_round"], steps=st["rounds"])
 
@@ -268,11 +290,14 @@ def _to_vocab(lp, v):
 
 @functools.lru_cache(maxsize=16)
 def compiled_speculative(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, max_new_tokens: int,
-                         eos_ids: tuple, mask_id: int, kv_write: str, sampled: bool, accept_all: bool = False):
+                         eos_ids: tuple, mask_id: int, kv_write: str, sampled: bool, accept_all: bool = False,
+                         route: str | None = None, steps_per_sync: int = 8):
   """One jit per static shape/config (threshold, budget, temperature, top-k/p and key are traced).
-  `accept_all` (tests only) keeps every draft: it samples the drafter, not the verifier."""
+  `accept_all` (tests only) keeps every draft: it samples the drafter, not the verifier. `route`:
+  the greedy rounds' `sampler.choose` route (`sampler.sampling_route`; None = picked on device)."""
   fn = functools.partial(_decode, dcfg, vcfg, block_size, max_new_tokens // block_size, tuple(eos_ids), mask_id,
-                         sampler.resolve_kv_write(kv_write), bool(sampled), bool(accept_all))
+                         sampler.resolve_kv_write(kv_write), bool(sampled), bool(accept_all), route,
+                         int(steps_per_sync))
   return jax.jit(fn)
 
 
@@ -287,7 +312,7 @@ def decoder_for(drafter_config: Qwen3Config, verifier_config: Qwen3Config, dc: s
   vcfg = verifier_config.as_block_diffusion(1).replace(attention_impl=drafter_config.attention_impl)
   check_pair(dcfg, vcfg, dc.mask_token_id)
   return compiled_speculative(dcfg, vcfg, dc.block_size, dc.max_new_tokens, tuple(dc.eos_ids), dc.mask_token_id,
-                              dc.kv_write, dc.temperature > 0, accept_all)
+                              dc.kv_write, dc.temperature > 0, accept_all, sampler.sampling_route(dc), dc.steps_per_sync)
 
 
 def generate(drafter_config: Qwen3Config, drafter_params, verifier_config: Qwen3Config, verifier_params,
