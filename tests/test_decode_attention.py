@@ -42,7 +42,7 @@ def test_split_key_equals_xla(t):
   scores = jnp.einsum("btkgd,bskd->btkgs", q, k) * D ** -0.5
   vis = attention.dense_mask(r, k.shape[1])[:, :, None, None]                 # [b,T,1,1,S]
   ref_lse = jax.nn.logsumexp(jnp.where(vis, scores, -jnp.inf), axis=-1)
-  for splits in (0, 3):   # the rule's count (capped by the cache's key blocks); an uneven 3
+  for splits in ((0, 3) if t == 1 else (3,)):   # the rule's count (the cache's key blocks); an uneven 3
     out, lse = jax.jit(lambda *a, n=splits: decode_attention.split_key_attention(*a, k_splits=n))(q, k, v, r.lo, r.hi)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, err_msg=f"splits={splits}")
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-5, rtol=1e-5)
@@ -82,13 +82,13 @@ def test_auto_picks_split_key_for_decode_windows_on_gpu():
   assert attention.auto_impl(1, 3224, window(1), "cpu") == "blockwise"
 
 
-@pytest.mark.parametrize("bs", [1, 4])
-def test_decoder_with_split_key_equals_reference(tiny_lm, bs):
-  """The jitted decoder on the kernel ('splitkey': prefill and every window) equals the
-  plain-Python reference (which attends densely): tokens, commit steps, log-probs, NFE."""
+def test_decoder_with_split_key_equals_reference(tiny_lm):
+  """The jitted decoder on the kernel ('splitkey': prefill and every window, blocks of 4 written
+  by the fused 8-slot window, rows at their own slots) equals the plain-Python reference (which
+  attends densely): tokens, commit steps, log-probs, NFE."""
   cfg, params = tiny_lm
   prompts = [[7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [21, 22, 23]]
-  dc = sampler.DecodeConfig(block_size=bs, threshold=0.1, max_new_tokens=8, mask_token_id=63, pad_id=0,
+  dc = sampler.DecodeConfig(block_size=4, threshold=0.1, max_new_tokens=8, mask_token_id=63, pad_id=0,
                             eos_ids=(5,), kv_write="fused")
   out = sampler.generate(cfg.replace(attention_impl="splitkey", attention_k_splits=2), params, prompts, dc)
   ref = reference.reference_decode(cfg, params, prompts, dc)
@@ -113,7 +113,7 @@ def test_prefill_is_a_causal_range_and_cudnn_runs_it_exactly(monkeypatch):
   real = (np.arange(p)[None] >= (p - plen)[:, None])[:, :, None, None, None]   # queries on padding: not compared
   ref = attention.attend(q, k, v, traced, "xla")
   for impl in ("cudnn", "splitkey"):
-    out = attention.attend(q, k, v, pre, impl)
+    out = jax.jit(lambda *a, impl=impl: attention.attend(*a, pre, impl))(q, k, v)
     np.testing.assert_allclose(np.where(real, out, 0), np.where(real, ref, 0), atol=1e-5, err_msg=impl)
 
 

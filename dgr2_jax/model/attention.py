@@ -349,9 +349,10 @@ def _cudnn_ranges(q, k, v, r: Ranges):
   the S cache slots read (left padding and the unwritten tail included), and a grid over batch x
   heads only (32 thread blocks for Qwen3-8B at batch 1 on a 132-SM GPU), so the cache streams at
   a fraction of HBM bandwidth. 'auto' sends decode windows to 'splitkey' instead."""
-  if r.causal:
+  if r.causal:  # keys past the queries are never visible: the square call (no alignment question)
     lo = r.lo
-    qs, ks, vs = (_roll_rows(x, lo) for x in (q, k, v))
+    t = q.shape[1]
+    qs, ks, vs = (_roll_rows(x, lo) for x in (q, k[:, :t], v[:, :t]))
     n = q.shape[1] - lo
     out = _dpa(qs, ks, vs, is_causal=True, query_seq_lengths=n, key_value_seq_lengths=n)
     return _roll_rows(out, -lo).astype(v.dtype)
