@@ -132,3 +132,47 @@ def test_8b_shape_lowers_to_triton(b):
     assert "split_key_decode_attention" in text
     out, lse = jax.eval_shape(lambda *a: decode_attention.split_key_attention(*a), *args)
     assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((b, t, kh, g, d), jnp.bfloat16, (b, t, kh, g), jnp.float32)
+
+
+_MESH_CHILD = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from dgr2_jax.model import attention, masks
+assert jax.device_count() == 4, jax.devices()
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "tensor"))
+rs = np.random.RandomState(0)
+b, t, k_heads, g, d, p, s = 4, 8, 4, 2, 16, 30, 62
+q = jnp.asarray(rs.randn(b, t, k_heads, g, d), jnp.float32)
+k, v = (jnp.asarray(rs.randn(b, s, k_heads, d), jnp.float32) for _ in range(2))
+start = jnp.array([30, 38, 46, 54])
+r = masks.sequence_ranges(np.array([30, 5, 17, 22]), p, s, 8, q_slots=start[:, None] + jnp.arange(t))
+ns = lambda *a: NamedSharding(mesh, P(*a))
+f = jax.jit(lambda q, k, v, lo, hi: attention.attend(q, k, v, attention.Ranges(lo, hi), "splitkey"),
+            in_shardings=(ns("data", None, "tensor", None, None), ns("data", None, "tensor", None),
+                          ns("data", None, "tensor", None), ns("data"), ns("data", None)))
+compiled = f.lower(q, k, v, r.lo, r.hi).compile()
+text = compiled.as_text()
+for op in ("all-gather", "all-to-all", "collective-permute", "all-reduce"):
+  assert op not in text, op
+out = compiled(q, k, v, r.lo, r.hi)
+assert out.sharding.spec[:3] == ("data", None, "tensor"), out.sharding
+err = float(jnp.max(jnp.abs(out - attention.attend(q, k, v, r, "xla"))))
+assert err < 1e-5, err
+print("OK", err)
+"""
+
+
+def test_split_key_on_a_mesh_runs_per_row_and_kv_head():
+  """Rows over `data` (2), kv heads over `tensor` (2) on 4 simulated devices: the partitioned
+  kernel runs on each device's rows and heads with no collective, equal to 'xla'. (A subprocess:
+  the CPU device count is set before jax initialises.)"""
+  import os
+  import subprocess
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _MESH_CHILD, repo], env=env, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -107,7 +107,7 @@ def attend(q, k, v, mask, impl: str = "xla", k_splits: int = 0):
   if impl == "xla":
     return _dense(q, k, v, dense_mask(mask, k.shape[1]))
   if impl == "splitkey" and k.shape[1] > q.shape[1]:
-    return decode_attention.split_key_attention(q, k, v, mask.lo, mask.hi, k_splits=k_splits)[0]
+    return decode_attention.partitioned(q, k, v, mask.lo, mask.hi, k_splits)[0]
   if impl in ("blockwise", "splitkey"):
     return range_attention(q, k, v, mask.lo, mask.hi)[0]
   return _cudnn_ranges(q, k, v, mask)

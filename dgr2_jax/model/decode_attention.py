@@ -32,6 +32,12 @@ programs for two thread blocks per SM at the call's batch, b * K * row_blocks * 
 2 * SMs (264 on an H100/H200, 132 SMs: 33 splits at batch 1 for Qwen3-8B's 8 kv heads, 5 at batch
 8), never more splits than key blocks in the cache, and at most `MAX_SPLITS`.
 
+On a mesh (the decode mesh's rows over `data`, heads and the KV cache over `tensor`), XLA cannot
+partition a Pallas call (a custom call) and would gather the whole cache to every device;
+`partitioned` is the kernel under `custom_partitioning`: each device runs it on its own rows and
+kv heads (the rows and heads are independent: no communication), with the split rule applied to
+its local shapes.
+
 On CPU the same kernel runs in Pallas interpret mode (`interpret=None`: interpret off the GPU),
 which is how the tests prove it equal to the dense route. No backward: a decode-only route.
 """
@@ -43,6 +49,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 NEG = -1e30          # finite "minus infinity" of the running max (no inf - inf in the kernel)
 MAX_SPLITS = 64
@@ -184,3 +193,38 @@ def combine(o, lse):
   den = jnp.sum(w, axis=2)
   out = jnp.sum(w[..., None] * o, axis=2) / jnp.where(den > 0, den, 1.0)[..., None]
   return out, jnp.where(den > 0, m + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
+
+
+# ---- on a mesh: per row and kv head, no gathers ------------------------------------------------
+@functools.partial(custom_partitioning, static_argnums=(5,))
+def partitioned(q, k, v, lo, hi, k_splits):
+  """`split_key_attention` (same arguments, k_splits positional) that a mesh partitions over the
+  rows and kv heads of the KV cache's sharding (module docstring)."""
+  return split_key_attention(q, k, v, lo, hi, k_splits=k_splits)
+
+
+def _specs(mesh, arg_shapes):
+  """Shardings of (q, k, v, lo, hi) and of (out, lse) from the cache's rows and kv-head axes
+  (the cache is the big operand: it is never resharded); every other dimension replicated."""
+  spec = tuple(arg_shapes[1].sharding.spec) + (None,) * 4                     # k [b,S,K,D]
+  rows, heads = spec[0], spec[2]
+  ns = lambda *a: NamedSharding(mesh, P(*a))
+  args = (ns(rows, None, heads, None, None), ns(rows, None, heads, None), ns(rows, None, heads, None),
+          ns(rows), ns(rows, None))
+  return args, (ns(rows, None, heads, None, None), ns(rows, None, heads, None))
+
+
+def _infer(k_splits, mesh, arg_shapes, result_shape):
+  del k_splits, result_shape
+  return _specs(mesh, arg_shapes)[1]
+
+
+def _partition(k_splits, mesh, arg_shapes, result_shape):
+  del result_shape
+  args, outs = _specs(mesh, arg_shapes)
+  local = lambda q, k, v, lo, hi: split_key_attention(q, k, v, lo, hi, k_splits=k_splits)
+  return mesh, local, outs, args
+
+
+partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_infer,
+                          sharding_rule="b t k g d, b s k d, b s k d, b, b t -> b t k g d, b t k g")
