@@ -43,8 +43,11 @@ def model_config() -> ml_collections.ConfigDict:
   c.param_dtype = "float32"  # stored parameters (master weights: train.param_dtype)
   c.remat = False
   # Attention route (dgr2_jax/model/attention.py): 'xla' (dense, fastest for tiny CPU models),
-  # 'blockwise' (no [T, S] array; any device), 'cudnn', 'auto' (cudnn on GPUs, else blockwise).
+  # 'blockwise' (no [T, S] array; any device), 'cudnn', 'splitkey' (decode attention split over
+  # keys, docs/decode_attention.md), 'auto' (on GPUs splitkey for decode windows and cudnn for
+  # the rest, else blockwise).
   c.attention_impl = "xla"
+  c.attention_k_splits = 0   # key splits of 'splitkey'; 0 = two thread blocks per SM at the batch
   c.logits_chunk = 0         # positions per vocabulary chunk of the losses; 0 = 64 MiB of logits
   return c
 

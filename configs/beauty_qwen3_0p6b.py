@@ -34,7 +34,7 @@ def paper_config(arg: str, *, fsdp: int, batch_size: int, grad_accum: int, on_po
   c.model.dtype = "bfloat16"
   c.model.param_dtype = "bfloat16"
   c.model.remat = True
-  c.model.attention_impl = "auto"   # fused cuDNN attention on GPUs, the blockwise route elsewhere
+  c.model.attention_impl = "auto"   # GPUs: split-key decode kernel + cuDNN; elsewhere blockwise
   c.train.param_dtype = "float32"
   c.train.batch_size = batch_size
   c.train.grad_accum_steps = grad_accum

@@ -42,7 +42,7 @@ OPD_STUDENT_CONTEXTS = ("prefix", "replay")  # dgr2_jax.train.opd.STUDENT_CONTEX
 OPD_TEACHER_CACHES = ("full", "none", "topk")  # dgr2_jax.train.opd.TEACHER_CACHES
 DTYPES = ("float32", "bfloat16", "float16")
 DECODE_MODES = ("threshold", "speculative")  # dgr2_jax.decode.speculative.MODES
-ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn")  # dgr2_jax.model.attention.IMPLS
+ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "splitkey")  # dgr2_jax.model.attention.IMPLS
 KV_WRITES = ("auto", "fused", "separate")  # dgr2_jax.decode.sampler.KV_WRITES
 SCHEDULES = ("cosine", "constant")
 
@@ -198,6 +198,8 @@ def validate(config, workdir: str | None) -> None:
       _one_of(c, "model", "attention_impl", ATTENTION_IMPLS)
     if "logits_chunk" in m:
       _positive_int(c, "model", "logits_chunk", 0)
+    if "attention_k_splits" in m:
+      _positive_int(c, "model", "attention_k_splits", 0)
     if m.init_from:
       if runs & {"sft"}:
         _exists("model.init_from", m.init_from, "model directory")

@@ -91,6 +91,7 @@ def test_paper_hyper_parameters():
     ({"train.mesh.data": -1, "train.mesh.fsdp": -1}, "config.train.mesh", ValueError),
     ({"model.num_key_value_heads": 3}, "config.model.num_key_value_heads", ValueError),
     ({"model.dtype": "int8"}, "config.model.dtype", ValueError),
+    ({"model.attention_k_splits": -1}, "config.model.attention_k_splits", ValueError),
     ({"model.init_from": "/nonexistent/model"}, "config.model.init_from", FileNotFoundError),
     ({"pipeline.stages": ("data", "cft", "sft")}, "config.pipeline.stages", ValueError),
     ({"pipeline.stages": ("data", "generate")}, "config.pipeline.stages", ValueError),

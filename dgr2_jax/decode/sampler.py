@@ -149,9 +149,12 @@ def window_forward(config, params, tokens, start, cache, prompt_len, prompt_slot
   positions [B,S] of the single-stream layout. The key ranges are the block-causal rule of
   `config.block_size` (masks.sequence_ranges). -> (logits [B,W,V] or hidden [B,W,E], cache)."""
   b, width = tokens.shape
+  # The prompt's prefill (static start 0 over the P prompt slots) is causal: no dense bias.
+  prefill = isinstance(start, int) and start == 0 and width == prompt_slots
   start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,))
   slots = start[:, None] + jnp.arange(width)[None, :]                         # [B,W]
-  ranges = masks.sequence_ranges(prompt_len, prompt_slots, positions.shape[1], config.block_size, q_slots=slots)
+  ranges = masks.sequence_ranges(prompt_len, prompt_slots, positions.shape[1], config.block_size,
+                                 q_slots=np.arange(width) if prefill else slots)
   pos = jnp.take_along_axis(positions, slots, axis=1)
   return qwen3.forward(config, params, tokens, pos, ranges, cache, start, return_hidden=return_hidden)
 

@@ -27,7 +27,18 @@ Routes (`impl`, the model config's `attention_impl`):
     whose visible keys are a prefix); any other range (the decoder's window) passes the ranges
     as a boolean mask (a small `[B, 1, W, S]` bias without a backward). `DPA_IMPLEMENTATION`
     lets tests run the same decomposition through XLA's implementation on CPU.
-  * 'auto': 'cudnn' on GPUs, else 'blockwise' (what the real presets use).
+  * 'splitkey': decode attention split over keys (flash-decoding), a Pallas kernel
+    (model/decode_attention.py) for queries against a KV cache (`Ranges` with more keys than
+    queries: the decoder's 1-slot AR step, its 32/64-slot window, a speculative round, the
+    prompt's prefill); anything else (training's square layouts, `Streams`) runs 'blockwise'.
+    Forward only. Off the GPU it runs in Pallas interpret mode (tests).
+  * 'auto': on GPUs 'splitkey' for decode windows (at most DECODE_MAX_QUERIES queries against a
+    cache) and 'cudnn' for everything else (training, the prompt's prefill); elsewhere
+    'blockwise' (what the real presets use).
+
+The prompt's prefill (the decoder's first window: the prompt slots from slot 0) is a causal
+`Ranges` (hi = t + 1 over the first T key slots of the cache), so 'cudnn' runs it `is_causal`
+with no dense bias and skips the masked tiles.
 
 Shapes: b batch, T queries, S keys, K kv heads, G = heads // K, D head dim.
 """
@@ -40,19 +51,24 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "xla", "blockwise", "cudnn")
+from dgr2_jax.model import decode_attention
+
+IMPLS = ("auto", "xla", "blockwise", "cudnn", "splitkey")
 _NEG = -1e30  # finite: a query with no visible key gets a uniform (not NaN) softmax in 'xla'
 # What the 'cudnn' route passes to jax.nn.dot_product_attention; tests set None (XLA) on CPU.
 DPA_IMPLEMENTATION = "cudnn"
 Q_BLOCK = 512
 K_BLOCK = 512
+# 'auto' on GPUs: windows of at most this many queries against a cache take 'splitkey'.
+DECODE_MAX_QUERIES = 64
 
 
 @flax.struct.dataclass
 class Ranges:
   """Query t of row b sees key slots [lo[b], hi[b, t]). lo [b] int32, hi [b, T] int32.
 
-  `causal` (static) promises hi[b, t] = t + 1 with queries and keys the same slots."""
+  `causal` (static) promises hi[b, t] = t + 1: query t is key slot t (the keys may run past
+  the queries, as a prefill's KV cache does)."""
   lo: jax.Array
   hi: jax.Array
   causal: bool = flax.struct.field(pytree_node=False, default=False)
@@ -75,23 +91,37 @@ def dense_mask(r: Ranges, num_keys: int) -> jax.Array:
   return (k >= r.lo[:, None, None]) & (k < r.hi[:, :, None])
 
 
-def attend(q, k, v, mask, impl: str = "xla"):
+def attend(q, k, v, mask, impl: str = "xla", k_splits: int = 0):
   """Attention output [b, T, K, G, D] (v's dtype). q [b,T,K,G,D], k/v [b,S,K,D].
 
-  `mask`: a bool array [b, T, S] (dense, 'xla' only), `Ranges` or `Streams` (then N = T = S)."""
+  `mask`: a bool array [b, T, S] (dense, 'xla' only), `Ranges` or `Streams` (then N = T = S).
+  `k_splits`: key splits of 'splitkey' (0 = decode_attention.num_splits' rule)."""
   if impl not in IMPLS:
     raise ValueError(f"model.attention_impl must be one of {IMPLS}, got {impl!r}")
   if impl == "auto":  # the fused kernels where they exist, else the memory-efficient pure-JAX route
-    impl = "cudnn" if jax.default_backend() == "gpu" else "blockwise"
+    impl = auto_impl(q.shape[1], k.shape[1], mask, jax.default_backend())
   if isinstance(mask, Streams):
-    return _streams(q, k, v, mask, impl)
+    return _streams(q, k, v, mask, "blockwise" if impl == "splitkey" else impl)
   if not isinstance(mask, Ranges):
     return _dense(q, k, v, jnp.asarray(mask, bool))
   if impl == "xla":
     return _dense(q, k, v, dense_mask(mask, k.shape[1]))
-  if impl == "blockwise":
+  if impl == "splitkey" and k.shape[1] > q.shape[1]:
+    return decode_attention.partitioned(q, k, v, mask.lo, mask.hi, k_splits)[0]
+  if impl in ("blockwise", "splitkey"):
     return range_attention(q, k, v, mask.lo, mask.hi)[0]
   return _cudnn_ranges(q, k, v, mask)
+
+
+def auto_impl(num_queries: int, num_keys: int, mask, backend: str) -> str:
+  """The route 'auto' takes: on GPUs the split-key kernel for a decode window (a non-causal
+  `Ranges` of at most DECODE_MAX_QUERIES queries against more keys: a KV cache) and cuDNN
+  for the rest; 'blockwise' elsewhere."""
+  if backend != "gpu":
+    return "blockwise"
+  window = (isinstance(mask, Ranges) and not mask.causal and num_keys > num_queries
+            and num_queries <= DECODE_MAX_QUERIES)
+  return "splitkey" if window else "cudnn"
 
 
 # ---- 'xla': dense ---------------------------------------------------------------------------------
@@ -313,9 +343,16 @@ def _roll_rows(x, shift):
 
 
 def _cudnn_ranges(q, k, v, r: Ranges):
-  if r.causal:
+  """Causal ranges (training's AR layout, the prompt's prefill): one `is_causal` call on rows
+  rolled to start at slot 0, no bias. Any other ranges go as a dense boolean mask, which is what
+  a decode window costs here: a [b, 1, W, S] bias built and read per layer and step, every one of
+  the S cache slots read (left padding and the unwritten tail included), and a grid over batch x
+  heads only (32 thread blocks for Qwen3-8B at batch 1 on a 132-SM GPU), so the cache streams at
+  a fraction of HBM bandwidth. 'auto' sends decode windows to 'splitkey' instead."""
+  if r.causal:  # keys past the queries are never visible: the square call (no alignment question)
     lo = r.lo
-    qs, ks, vs = (_roll_rows(x, lo) for x in (q, k, v))
+    t = q.shape[1]
+    qs, ks, vs = (_roll_rows(x, lo) for x in (q, k[:, :t], v[:, :t]))
     n = q.shape[1] - lo
     out = _dpa(qs, ks, vs, is_causal=True, query_seq_lengths=n, key_value_seq_lengths=n)
     return _roll_rows(out, -lo).astype(v.dtype)

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_KINDS = ("causal", "block_causal")
-ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn")  # dgr2_jax.model.attention.IMPLS
+ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "splitkey")  # dgr2_jax.model.attention.IMPLS
 # Fields a run chooses and a checkpoint does not record (`with_runtime`).
-RUNTIME_FIELDS = ("dtype", "remat", "remat_policy", "scan_layers", "attention_impl", "logits_chunk")
+RUNTIME_FIELDS = ("dtype", "remat", "remat_policy", "scan_layers", "attention_impl", "attention_k_splits",
+                  "logits_chunk")
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dots")
 # Extra keys we write into config.json so our checkpoints round-trip through HF directories.
 DIFFUSION_KEYS = ("block_size", "mask_token_id", "attention")
@@ -54,9 +55,13 @@ class Qwen3Config:
   # compile time no longer grows with depth. Training/scoring only; decoding unstacks. Runtime.
   scan_layers: bool = False
   # Attention route (model/attention.py): 'xla' (einsum over a dense mask), 'blockwise' (pure-JAX
-  # online softmax, no [T, S] array), 'cudnn' (fused GPU kernels), 'auto' (cudnn on GPUs, else
-  # blockwise). Runtime only, like dtype/remat.
+  # online softmax, no [T, S] array), 'cudnn' (fused GPU kernels), 'splitkey' (decode attention
+  # split over keys, a Pallas kernel: model/decode_attention.py), 'auto' (on GPUs splitkey for
+  # decode windows and cudnn for the rest, else blockwise). Runtime only, like dtype/remat.
   attention_impl: str = "xla"
+  # Key splits of 'splitkey' per call; 0 = enough for two thread blocks per SM at the call's batch
+  # (decode_attention.num_splits). Runtime only.
+  attention_k_splits: int = 0
   # Positions whose vocabulary-sized logits one chunk of a loss holds (model/logits.py); 0 = as many
   # as fit in logits.CHUNK_ELEMENTS f32 values. Runtime only.
   logits_chunk: int = 0
@@ -86,6 +91,8 @@ class Qwen3Config:
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"model config field 'attention_impl' must be one of {ATTENTION_IMPLS}, got "
                        f"{self.attention_impl!r}")
+    if not isinstance(self.attention_k_splits, int) or self.attention_k_splits < 0:
+      raise ValueError(f"model config field 'attention_k_splits' must be an int >= 0, got {self.attention_k_splits!r}")
     if self.attention not in ATTENTION_KINDS:
       raise ValueError(f"model config field 'attention' must be one of {ATTENTION_KINDS}, got {self.attention!r}")
     if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:

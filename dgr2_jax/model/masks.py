@@ -69,9 +69,13 @@ def sequence_ranges(prompt_len, prompt_slots: int, total_slots: int, block_size:
                     q_slots=None) -> attention.Ranges:
   """`attention.Ranges` of the single-stream mask (what `sequence_mask` / `block_causal_mask`
   hold densely): queries at `q_slots` ([T] or [b, T]; default every slot) of left-padded rows.
-  Key validity is the range's start: a row's first real slot."""
+  Key validity is the range's start: a row's first real slot. Causal (`Ranges.causal`) when
+  every query is a prompt slot t seeing [lo, t + 1): the whole layout with block size 1, or
+  static `q_slots` = the prompt slots 0 .. P - 1 (the decoder's prefill against its cache)."""
   lo = (prompt_slots - jnp.asarray(prompt_len)).astype(jnp.int32)          # [b]
-  causal = q_slots is None and (block_size == 1 or total_slots == prompt_slots)
+  prefill = (isinstance(q_slots, np.ndarray) and q_slots.ndim == 1
+             and np.array_equal(q_slots, np.arange(prompt_slots)))
+  causal = prefill or (q_slots is None and (block_size == 1 or total_slots == prompt_slots))
   q_slots = jnp.arange(total_slots) if q_slots is None else jnp.asarray(q_slots)
   if q_slots.ndim == 1:
     q_slots = jnp.broadcast_to(q_slots[None], (lo.shape[0], q_slots.shape[0]))

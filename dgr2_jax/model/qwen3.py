@@ -85,7 +85,8 @@ class Attention(nn.Module):
       new_cache = {"k": kk, "v": v}
 
     qg = q.reshape(b, t, k, h // k, d)  # [B,T,K,G,D]
-    out = attention.attend(qg, kk.astype(qg.dtype), v.astype(x.dtype), mask, c.attention_impl)
+    out = attention.attend(qg, kk.astype(qg.dtype), v.astype(x.dtype), mask, c.attention_impl,
+                           c.attention_k_splits)
     return _dense(c.hidden_size, "o_proj", c, c.attention_bias)(out.reshape(b, t, h * d)), new_cache
 
 
