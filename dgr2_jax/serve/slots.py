@@ -51,6 +51,7 @@ class SlotDecoder:
     self.kv_write = sampler.resolve_kv_write(dc.kv_write)
     self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
     self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+    self._release = jax.jit(lambda st, slot: dict(st, done=st["done"].at[slot].set(True)), donate_argnums=(0,))
 
   # ---- state ----------------------------------------------------------------------------------
   def init_state(self) -> dict:
@@ -67,14 +68,25 @@ class SlotDecoder:
         logprob=jnp.zeros((b, r), jnp.float32), eos_pos=jnp.full((b,), r, jnp.int32),
         done=jnp.ones((b,), bool), carry=jnp.zeros((b, c.hidden_size), c.jnp_dtype),
         cache=qwen3.init_cache(c, b, s), nfe=jnp.zeros((b,), jnp.int32),
-        threshold=jnp.ones((b,), jnp.float32), row_key=jnp.zeros((b, 2), jnp.uint32))
+        threshold=jnp.ones((b,), jnp.float32), row_key=jnp.zeros((b, 2), jnp.uint32),
+        limit=jnp.full((b,), self.num_blocks, jnp.int32))
 
-  def prefill(self, state, slot: int, prompt, threshold: float, rng=None):
-    """One prompt (token list, at most prompt_slots long) into `slot`, left-padded."""
+  def prefill(self, state, slot: int, prompt, threshold: float, max_new_tokens: int | None = None,
+              rng=None):
+    """One prompt (token list, at most prompt_slots long) into `slot`, left-padded; the row stops
+    after the block holding its `max_new_tokens`-th token (a multiple of the block size, at most
+    the decoder's; the blocks before it decode exactly as with the decoder's own limit)."""
     tokens, lengths = sampler.left_pad([prompt], self.p, self.dc.pad_id)
     rng = np.zeros((2,), np.uint32) if rng is None else np.asarray(rng, np.uint32)
+    limit = self.num_blocks if max_new_tokens is None else -(-int(max_new_tokens) // self.bsz)
+    if not 1 <= limit <= self.num_blocks:
+      raise ValueError(f"max_new_tokens must be in [1, {self.r}], got {max_new_tokens}")
     return self._prefill(self.params, state, np.int32(slot), tokens[0], lengths[0],
-                         np.float32(threshold), rng)
+                         np.float32(threshold), rng, np.int32(limit))
+
+  def release(self, state, slot: int):
+    """Marks `slot` empty (a cancelled or expired request): it idles from the next step on."""
+    return self._release(state, np.int32(slot))
 
   def step(self, state, k: int):
     """-> (state, iterations run, busy iterations per slot [S]) after at most k steps."""
@@ -83,7 +95,7 @@ class SlotDecoder:
                       np.float32(dc.top_p), np.int32(dc.steps_per_block))
 
   # ---- jitted ---------------------------------------------------------------------------------
-  def _prefill_fn(self, params, state, slot, tokens, length, threshold, rng):
+  def _prefill_fn(self, params, state, slot, tokens, length, threshold, rng, limit):
     p, s = self.p, self.p + self.r
     plen = length[None]
     pos = masks.left_pad_positions(plen, p, s)                           # [1,S]
@@ -101,7 +113,7 @@ class SlotDecoder:
                  commit_step=jnp.full((1, self.r), -1, jnp.int32), logprob=jnp.zeros((1, self.r), jnp.float32),
                  eos_pos=jnp.full((1,), self.r, jnp.int32), done=jnp.zeros((1,), bool),
                  carry=hidden[:, -1], nfe=jnp.zeros((1,), jnp.int32), threshold=threshold[None],
-                 row_key=rng[None])
+                 row_key=rng[None], limit=limit[None])
     for k, v in fresh.items():
       st[k] = put(state[k], v)
     return st
@@ -161,7 +173,7 @@ class SlotDecoder:
       eos_pos = jnp.minimum(st["eos_pos"], first_eos)
       remaining = (new_block == mask_id) & (idx < (eos_pos - jc * bsz)[:, None]) & ~st["done"][:, None]
       block_done = ~remaining.any(axis=1) & ~st["done"] & ~writing
-      done = st["done"] | (block_done & ((eos_pos < (jc + 1) * bsz) | (jc + 1 >= nb)))
+      done = st["done"] | (block_done & ((eos_pos < (jc + 1) * bsz) | (jc + 1 >= st["limit"])))
       new = dict(st)
       new.update(
           step=step + has_cand.astype(jnp.int32), block=jnp.where(block_done, j + 1, j),
