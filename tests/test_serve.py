@@ -100,3 +100,106 @@ def test_engine_deadline_and_cancel_free_slots(tiny_lm, block_decoder):
   running.cancel()
   eng.run_round()
   assert eng.occupancy() == 0 and eng.stats.cancelled == 2 and eng.stats.expired == 1
+
+
+# ---- the HTTP server as a subprocess -------------------------------------------------------------
+BAD = [  # (body, status, field named in the one-line error, metrics reason)
+    (b"{bad", 400, "body", "bad_json"),
+    (b"[]", 400, "body", "bad_field"),
+    (b'{"history": [1]}', 400, "candidates", "bad_field"),
+    (b'{"history": "x", "candidates": [1]}', 400, "history", "bad_field"),
+    (b'{"history": [true], "candidates": [1]}', 400, "history", "bad_field"),
+    (b'{"history": [1], "candidates": [1, 2]}', 400, "candidates", "candidate_count"),
+    (b'{"history": [99999], "candidates": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]}', 400, "history", "unknown_item"),
+    (b'{"history": [1], "candidates": [0, 1, 2, 3, 4, 5, 6, 7, 8, -1]}', 400, "candidates", "unknown_item"),
+    (b'{"history": [1], "candidates": [0, 0, 2, 3, 4, 5, 6, 7, 8, 9]}', 400, "candidates", "bad_field"),
+    (b'{"history": [1], "candidates": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "mode": "fast"}', 400, "mode", "bad_field"),
+    (b'{"history": [1], "candidates": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "threshold": 2}', 400, "threshold", "bad_field"),
+    (b'{"history": [1], "candidates": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "threshold": NaN}', 400, "threshold",
+     "bad_field"),
+    (b'{"history": [1], "candidates": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "max_new_tokens": 9999}', 400,
+     "max_new_tokens", "bad_field"),
+    (b'{"history": [1], "candidates": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "timeout_s": "soon"}', 400, "timeout_s",
+     "bad_field"),
+    (b'{"history": [1], "candidates": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "extra": 1}', 400, "extra", "bad_field"),
+    (b"x" * 70000, 413, "body", "too_large"),
+]
+
+
+def test_server_over_http(smoke_workdir):
+  """The server on the toy pipeline's workdir: every mode answers the eval stage's test
+  impressions as evaluation did (speculative = ar), bad requests interleaved with good ones get
+  their 4xx with one line naming the field and are counted, a full queue answers 429 with
+  Retry-After, deadlines 504, and SIGTERM lets in-flight requests finish before it exits."""
+  httpx = pytest.importorskip("httpx")
+  import json
+  import os
+  from dgr2_jax.serve import client
+  from dgr2_jax.task import answer as answer_lib
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", PYTHONPATH=repo)
+  proc, url = client.start_server(["--config=configs/demo.py:smoke", f"--workdir={smoke_workdir}", "--slots=2",
+                                   "--steps_per_round=4", "--max_queue=2"], client.free_port(), env=env, cwd=repo)
+  try:
+    imps = client.impressions(smoke_workdir, limit=4)
+    expect = {}
+    for mode, method in (("threshold", "cft_opd_rl"), ("ar", "ar"), ("speculative", "speculative")):
+      rows = [json.loads(l) for l in open(os.path.join(smoke_workdir, "eval", method, "predictions.jsonl"))]
+      assert len(rows) == len(imps)
+      expect[mode] = [(r["ranking_items"] or imp["candidates"], answer_lib.split_response(r["output"])[0] or "",
+                       r["nfe"]) for r, imp in zip(rows, imps)]
+    jobs = [(mode, i) for i in range(len(imps)) for mode in expect]
+    bad = iter(BAD * 2)
+
+    def good(job):   # retries on 429 (queue of 2 per mode, 4 concurrent requests per mode)
+      mode, i = job
+      for _ in range(200):
+        r = httpx.post(url + "/v1/rerank", json=dict(imps[i], mode=mode, timeout_s=300), timeout=300)
+        if r.status_code != 429:
+          return r, 0
+        assert r.headers["retry-after"] == "1"
+        time.sleep(0.2)
+      raise AssertionError("still 429 after 200 tries")
+
+    def bad_one(_):
+      body, status, field, _ = next(bad)
+      r = httpx.post(url + "/v1/rerank", content=body, timeout=60)
+      return r, (status, field)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+      futs = [ex.submit(good, j) for j in jobs] + [ex.submit(bad_one, k) for k in range(len(BAD) * 2)]
+      results = [f.result(timeout=900) for f in futs]
+    for (mode, i), (r, _) in zip(jobs, results):
+      assert r.status_code == 200, r.text
+      out = r.json()
+      want_rank, want_reason, want_nfe = expect[mode][i]
+      assert (out["ranking"], out["reasoning"], out["nfe"]) == (want_rank, want_reason, want_nfe), (mode, i)
+      assert out["fallback"] == (not out["valid"]) and out["latency_ms"] > 0
+    for r, (status, field) in (x for x in results[len(jobs):]):
+      assert r.status_code == status, r.text
+      msg = r.json()["error"]
+      assert "\n" not in msg and msg.startswith(field + ":"), msg
+    r = httpx.post(url + "/v1/rerank", json=dict(imps[0], mode="speculative", timeout_s=0.001), timeout=60)
+    assert r.status_code == 504 and r.json()["error"].startswith("timeout_s:")
+    gen = httpx.post(url + "/v1/generate", json={"prompt_ids": [5, 6, 7], "mode": "ar", "max_new_tokens": 8},
+                     timeout=120)
+    assert gen.status_code == 200 and 1 <= len(gen.json()["output_ids"]) <= 8, gen.text
+    metrics = httpx.get(url + "/metrics", timeout=30).text
+    for reason in {b[3] for b in BAD}:
+      want = 2 * sum(b[3] == reason for b in BAD)
+      assert client.metric_value(metrics, "dgr2_rejected_requests_total", reason=reason) == want, reason
+    assert client.metric_value(metrics, "dgr2_rejected_requests_total", reason="deadline") == 1
+    assert client.metric_value(metrics, "dgr2_rejected_requests_total", reason="queue_full") >= 1
+    for mode in expect:
+      assert client.metric_value(metrics, "dgr2_requests_total", endpoint="rerank", mode=mode) == len(imps)
+      assert client.metric_value(metrics, "dgr2_slot_occupancy", mode=mode) == 0.0
+    assert httpx.get(url + "/healthz", timeout=10).status_code == 200 and proc.poll() is None
+    # SIGTERM while requests are in flight: they are answered, then the process exits cleanly.
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+      futs = [ex.submit(httpx.post, url + "/v1/rerank", json=dict(imp, mode="ar"), timeout=300)
+              for imp in imps[:2]]
+      time.sleep(0.5)
+      assert client.stop_server(proc) == 0
+      assert [f.result(timeout=300).status_code for f in futs] == [200, 200]
+  finally:
+    client.stop_server(proc)

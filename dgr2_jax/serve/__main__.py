@@ -59,9 +59,29 @@ def main():
                                   modes=tuple(modes.value))
   import uvicorn
   from dgr2_jax.serve import app as app_lib
+  _Server = _server_class()
   make = lambda: service_lib.Service(config, workdir.value, model_dir.value, verifier_dir.value, opts)
   app = app_lib.build_app(make, max_body_bytes=max_body.value)
-  uvicorn.run(app, host=host.value, port=port.value, log_level="warning", timeout_graceful_shutdown=None)
+  server = _Server(uvicorn.Config(app, host=host.value, port=port.value, log_level="warning",
+                                  timeout_graceful_shutdown=None))
+  server.run()
+
+
+def _server_class():
+  import contextlib
+  import signal
+  import uvicorn
+
+  class Server(uvicorn.Server):
+    """uvicorn's server, but SIGTERM / SIGINT end with exit code 0 once drained (uvicorn re-raises
+    the signal after its graceful shutdown, which reads as a crash to a supervisor)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+      for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, self.handle_exit)
+      yield
+  return Server
 
 
 if __name__ == "__main__":

@@ -245,3 +245,5 @@ class Service:
       _, req, _ = self.rerank_request(dict(ex, mode=mode, timeout_s=self.options.max_timeout_s))
       self.scheduler.submit(mode, req)
       req.future.result()
+    for eng in self.engines.values():   # the counters start after the compiles
+      eng.stats = engine_lib.Stats()
