@@ -132,6 +132,8 @@ def test_server_over_http(smoke_workdir):
   their 4xx with one line naming the field and are counted, a full queue answers 429 with
   Retry-After, deadlines 504, and SIGTERM lets in-flight requests finish before it exits."""
   httpx = pytest.importorskip("httpx")
+  for mod in ("starlette", "uvicorn", "prometheus_client"):   # the `serve` extra
+    pytest.importorskip(mod)
   import json
   import os
   from dgr2_jax.serve import client
