@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -38,8 +39,12 @@ class TooLarge(Exception):
   pass
 
 
+PID = {"x-dgr2-pid": str(os.getpid())}
+
+
 def _error(status: int, msg: str, headers=None) -> JSONResponse:
-  return JSONResponse({"error": msg.splitlines()[0] if msg else "error"}, status_code=status, headers=headers)
+  return JSONResponse({"error": msg.splitlines()[0] if msg else "error"}, status_code=status,
+                      headers={**PID, **(headers or {})})
 
 
 async def _read_json(request: HttpRequest, limit: int):
@@ -58,8 +63,12 @@ async def _read_json(request: HttpRequest, limit: int):
     raise BadRequest("body", f"not valid JSON ({getattr(e, 'msg', 'not UTF-8')})", "bad_json") from None
 
 
-def build_app(make_service, max_body_bytes: int = MAX_BODY_BYTES, drain_timeout_s: float = 60.0) -> Starlette:
-  """The ASGI app; `make_service()` builds the `Service` (models, engines) in a background thread."""
+def build_app(make_service, max_body_bytes: int = MAX_BODY_BYTES, drain_timeout_s: float = 60.0,
+              preload: bool = False) -> Starlette:
+  """The ASGI app; `make_service()` builds the `Service` (models, engines) in a background thread
+  started by the app's lifespan, or here before returning when `preload` (a Ray Serve replica: it
+  counts as started once its constructor returns). Answers carry the serving process's id in the
+  `x-dgr2-pid` header."""
   holder = {"service": None, "error": None, "draining": False}
   metrics = metrics_lib.Metrics(lambda: holder["service"])
 
@@ -76,6 +85,11 @@ def build_app(make_service, max_body_bytes: int = MAX_BODY_BYTES, drain_timeout_
     except BaseException as e:  # pylint: disable=broad-except
       holder["error"] = f"{type(e).__name__}: {e}"
       print(f"dgr2_jax.serve: loading failed: {holder['error']}", flush=True)
+
+  if preload:
+    load()
+    if holder["error"]:
+      raise RuntimeError(f"dgr2_jax.serve: loading failed: {holder['error']}")
 
   async def healthz(request):
     del request
@@ -162,7 +176,7 @@ def build_app(make_service, max_body_bytes: int = MAX_BODY_BYTES, drain_timeout_
       return _error(500, f"internal error: {type(e).__name__}: {e}")
     out = respond(svc, parsed, res)
     metrics.observe(kind, mode, time.monotonic() - t0)
-    return JSONResponse(out)
+    return JSONResponse(out, headers=PID)
 
   async def rerank(request):
     return await serve(request, lambda svc, body: svc.rerank_request(body),
@@ -184,7 +198,8 @@ def build_app(make_service, max_body_bytes: int = MAX_BODY_BYTES, drain_timeout_
 
   async def lifespan(app):
     del app
-    threading.Thread(target=load, name="dgr2-serve-load", daemon=True).start()
+    if not preload:
+      threading.Thread(target=load, name="dgr2-serve-load", daemon=True).start()
     yield
     holder["draining"] = True            # uvicorn already waited for the open requests
     svc = holder["service"]
