@@ -205,3 +205,48 @@ def test_server_over_http(smoke_workdir):
       assert [f.result(timeout=300).status_code for f in futs] == [200, 200]
   finally:
     client.stop_server(proc)
+
+
+def test_ray_serve_two_replicas(smoke_workdir):
+  """Two replicas behind Ray Serve on a local Ray instance answer as evaluation did (and so as one
+  server does), both replicas taking requests. Skipped without the `serve-ray` extra."""
+  pytest.importorskip("ray.serve")
+  httpx = pytest.importorskip("httpx")
+  import json
+  import os
+  import subprocess
+  import sys
+  from dgr2_jax.serve import client
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", PYTHONPATH=repo, RAY_USAGE_STATS_ENABLED="0")
+  port = client.free_port()
+  cmd = [sys.executable, "-m", "dgr2_jax.serve.ray_app", "--config=configs/demo.py:smoke",
+         f"--workdir={smoke_workdir}", "--replicas=2", "--modes=threshold", "--slots=2", "--host=127.0.0.1",
+         f"--port={port}", "--replica_cpus=0.5"]
+  proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  url = f"http://127.0.0.1:{port}"
+  try:
+    t_end = time.monotonic() + 900
+    while True:
+      assert proc.poll() is None, proc.stdout.read()[-3000:]
+      assert time.monotonic() < t_end, "Ray Serve not ready"
+      try:
+        if httpx.get(url + "/readyz", timeout=5).status_code == 200:
+          break
+      except httpx.HTTPError:
+        pass
+      time.sleep(1)
+    imps = client.impressions(smoke_workdir, limit=4)
+    rows = [json.loads(l) for l in open(os.path.join(smoke_workdir, "eval", "cft_opd_rl", "predictions.jsonl"))]
+    jobs = list(range(len(imps))) * 4
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+      res = list(ex.map(lambda i: httpx.post(url + "/v1/rerank", json=imps[i], timeout=300), jobs))
+    pids = set()
+    for i, r in zip(jobs, res):
+      assert r.status_code == 200, r.text
+      assert r.json()["ranking"] == (rows[i]["ranking_items"] or imps[i]["candidates"])
+      assert r.json()["nfe"] == rows[i]["nfe"]
+      pids.add(r.headers["x-dgr2-pid"])
+    assert len(pids) == 2, pids
+  finally:
+    client.stop_server(proc, timeout=120)

@@ -276,10 +276,14 @@ class StaticEngine(Engine):
     s_ = self.stats
     s_.rounds += 1
     s_.decode_seconds += end - t0
-    s_.row_iterations += self.slots
-    s_.busy_row_iterations += len(batch)
+    # Loop iterations of the batch; a real row is busy for its drafter passes (one per iteration
+    # while it drafts); padding rows and finished rows idle.
+    iters = int(np.asarray(out.get("forward_passes", 0)))
+    busy = int(np.asarray(out["drafter_passes"])[:len(batch)].sum()) if "drafter_passes" in out else iters * len(batch)
+    s_.row_iterations += iters * self.slots
+    s_.busy_row_iterations += busy
     if self.queue:
-      s_.wasted_row_iterations += self.slots - len(batch)
+      s_.wasted_row_iterations += iters * self.slots - busy
     self.owner = [None] * self.slots
     for i, req in enumerate(batch):
       if req.cancelled or end > req.deadline:
