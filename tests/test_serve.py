@@ -226,15 +226,19 @@ def test_ray_serve_two_replicas(smoke_workdir):
   proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   url = f"http://127.0.0.1:{port}"
   try:
+    def ready_pid(_):
+      try:
+        r = httpx.get(url + "/readyz", timeout=5)
+        return r.headers.get("x-dgr2-pid") if r.status_code == 200 else None
+      except httpx.HTTPError:
+        return None
     t_end = time.monotonic() + 900
-    while True:
+    while True:   # until both replicas answer /readyz
       assert proc.poll() is None, proc.stdout.read()[-3000:]
       assert time.monotonic() < t_end, "Ray Serve not ready"
-      try:
-        if httpx.get(url + "/readyz", timeout=5).status_code == 200:
+      with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        if len(set(ex.map(ready_pid, range(8))) - {None}) == 2:
           break
-      except httpx.HTTPError:
-        pass
       time.sleep(1)
     imps = client.impressions(smoke_workdir, limit=4)
     rows = [json.loads(l) for l in open(os.path.join(smoke_workdir, "eval", "cft_opd_rl", "predictions.jsonl"))]

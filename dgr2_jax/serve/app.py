@@ -93,7 +93,7 @@ def build_app(make_service, max_body_bytes: int = MAX_BODY_BYTES, drain_timeout_
 
   async def healthz(request):
     del request
-    return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "ok"}, headers=PID)
 
   async def readyz(request):
     del request
@@ -108,7 +108,7 @@ def build_app(make_service, max_body_bytes: int = MAX_BODY_BYTES, drain_timeout_
       return _error(503, "not ready: shutting down")
     return JSONResponse({"status": "ready", "modes": list(svc.modes), "model_dir": svc.model_dir,
                          "verifier_dir": svc.verifier_dir, "num_candidates": svc.num_candidates,
-                         "max_new_tokens": svc.max_new_tokens})
+                         "max_new_tokens": svc.max_new_tokens}, headers=PID)
 
   async def metrics_endpoint(request):
     del request
