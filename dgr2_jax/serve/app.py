@@ -76,8 +76,6 @@ def build_app(make_service, max_body_bytes: int = MAX_BODY_BYTES, drain_timeout_
     try:
       svc = make_service()
       svc.scheduler.start()
-      for eng in svc.engines.values():
-        eng.on_finish = metrics.on_finish
       svc.warmup()
       holder["service"] = svc
       print(f"dgr2_jax.serve: ready (modes {', '.join(svc.modes)}; {svc.options.slots} slots, "

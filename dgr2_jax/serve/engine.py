@@ -35,7 +35,6 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from typing import Callable
 
 import numpy as np
 
@@ -116,7 +115,6 @@ class Engine:
     self.state = decoder.init_state()
     self.at_block_start = np.ones((self.slots,), bool)
     self.stats = Stats()
-    self.on_finish: Callable[[str, Request, dict], None] | None = None
 
   # ---- any thread -----------------------------------------------------------------------------
   def submit(self, req: Request) -> Request:
@@ -214,8 +212,6 @@ class Engine:
                  queue_ms=1e3 * (req.admitted - req.submitted), latency_ms=1e3 * (end - req.submitted))
       s_.finished += 1
       s_.tokens += len(ids)
-      if self.on_finish:
-        self.on_finish(self.mode, req, res)
       req.finish(res)
     return True
 
@@ -241,7 +237,6 @@ class StaticEngine(Engine):
     self.queue = collections.deque()
     self.lock = threading.Lock()
     self.stats = Stats()
-    self.on_finish = None
 
   def _drop_dead(self, now: float):
     with self.lock:
@@ -296,8 +291,6 @@ class StaticEngine(Engine):
                  queue_ms=1e3 * (req.admitted - req.submitted), latency_ms=1e3 * (end - req.submitted))
       s_.finished += 1
       s_.tokens += len(ids)
-      if self.on_finish:
-        self.on_finish(self.mode, req, res)
       req.finish(res)
     return True
 
