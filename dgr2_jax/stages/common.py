@@ -70,29 +70,9 @@ def model_hash(model_dir: str) -> str | None:
   return f"{os.path.getmtime(f)}:{os.path.getsize(f)}" if os.path.exists(f) else None
 
 
-# The pipeline's stage order and model chain: which model directory each stage reads.
-ORDER = ("data", "sids", "retriever", "traces", "sft", "teacher_rl", "convert", "cft", "opd", "rl",
-         "eval", "bench")
-MODEL_STAGES = ("sft", "teacher_rl", "convert", "cft", "opd", "rl")
-AR_STAGES = ("sft", "teacher_rl")
-
-
-def model_dir(workdir: str, stage: str) -> str:
-  return os.path.join(workdir, stage, "model")
-
-
-def enabled_stages(config) -> tuple:
-  return tuple(config.pipeline.stages) if "pipeline" in config else ORDER
-
-
-def teacher_stage(config) -> str:
-  """The AR teacher's stage: `teacher_rl` (SFT then RL, the paper's GR2) when the pipeline runs
-  it, else `sft`."""
-  return "teacher_rl" if "teacher_rl" in enabled_stages(config) else "sft"
-
-
-def teacher_model_dir(config, workdir: str) -> str:
-  return model_dir(workdir, teacher_stage(config))
+# The pipeline's stage order and model chain live below the stages (the server reads them too).
+from dgr2_jax.chain import (AR_STAGES, MODEL_STAGES, ORDER, enabled_stages, model_dir,  # noqa: E402,F401
+                            teacher_model_dir, teacher_stage)
 
 
 def previous_model_stage(config, stage: str) -> str:

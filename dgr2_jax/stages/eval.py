@@ -6,7 +6,7 @@ static batches of `config.eval.batch_size` (the last batch padded with copies of
 whose outputs are discarded) with `dgr2_jax.decode.sampler.generate` and `config.decode.*`,
 parses every output (invalid => the retriever's order, counted as a fallback) and writes to
 `config.eval.output_dir` or `workdir/eval/<name>`:
-- `predictions.jsonl`: example_id, user, prompt_len, output (decoded text), ranking (parsed SIDs),
+- `predictions.jsonl`: example_id, user, history and candidates (item ids), prompt_len, output (decoded text), ranking (parsed SIDs),
   ranking_items (item indices, valid outputs only), verdict, flags, target, target_pos, rank
   (1-based rank used for scoring), fallback, nfe, commit_steps, reasoning_tokens;
 - `metrics.json`: recall@1, recall@3, ndcg@3, valid_rate, duplicate_rate, omission_rate,
@@ -113,6 +113,7 @@ def run(config, workdir: str, generate_fn=None, models: dict | None = None) -> s
     for i in range(n_real):
       ex, out_ids = examples[s + i], list(res["output_ids"][i])
       rec = metrics_lib.score_output(out_ids, tokenizer, tids, ex, sids)
+      rec.update(history=ex["history"], candidates=ex["candidates"])   # item ids: replayable against the server
       rec.update(prompt_len=len(chunk[i]), nfe=int(np.asarray(res["nfe"])[i]),
                  commit_steps=np.asarray(res["commit_step"])[i][:len(out_ids)].tolist())
       for k in ("rounds", "accepted"):   # speculative decoding

@@ -27,6 +27,7 @@ from dgr2_jax.stages import common
 from dgr2_jax.stages.common import (AR_STAGES, MODEL_STAGES, ORDER, enabled_stages, model_dir,  # noqa: F401
                                     previous_model_dir, previous_model_stage, teacher_model_dir,
                                     teacher_stage)
+from dgr2_jax.chain import final_model_stage  # noqa: F401
 
 # Stage name -> module with `run(config, workdir)`. Imported lazily by `stage_fn`, so a missing
 # optional stage does not break the others.
@@ -95,12 +96,6 @@ def ladder_methods(config) -> list[tuple[str, str]]:
   if final and config.get("pipeline", {}).get("speculative_row", False):
     out.append(("speculative", final))  # the final diffusion model drafts, the AR teacher verifies
   return out
-
-
-def final_model_stage(config) -> str | None:
-  """The last diffusion model stage of the chain (what the frontier benchmarks)."""
-  on = [s for s in MODEL_STAGES if s in enabled_stages(config) and s not in AR_STAGES]
-  return on[-1] if on else None
 
 
 def method_config(config, workdir: str, method: str, stage: str):

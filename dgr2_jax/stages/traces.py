@@ -28,9 +28,7 @@ from dgr2_jax.task import traces as traces_lib
 UPSTREAM = ("data", "sids", "retriever")
 
 
-def tokenizer_dir(config, workdir: str) -> str:
-  """The tokenizer in use: `config.task.tokenizer` or the demo one built by this stage."""
-  return config.task.tokenizer or os.path.join(workdir, "traces", "tokenizer")
+tokenizer_dir = tok_lib.tokenizer_dir   # the tokenizer in use (the server reads it too)
 
 
 def load_items_sids(workdir: str):

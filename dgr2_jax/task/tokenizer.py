@@ -52,6 +52,11 @@ class TokenIds:
   end_think_id: int
 
 
+def tokenizer_dir(config, workdir: str) -> str:
+  """The tokenizer in use: `config.task.tokenizer` or the demo one the traces stage built."""
+  return config.task.tokenizer or os.path.join(workdir, "traces", "tokenizer")
+
+
 def build_demo_tokenizer(texts: Iterable[str], sid_tokens: Sequence[str], out_dir: str,
                          vocab_size: int = 2048) -> str:
   """Trains a small byte-level BPE on `texts`, adds special + SID tokens, saves to `out_dir`.

@@ -1,0 +1,1 @@
+"""Online serving: the continuous-batching engine (engine.py, slots.py) and its HTTP API (app.py)."""

@@ -1,0 +1,256 @@
+"""The serving engine against the batch decoders, and the HTTP server as a subprocess."""
+
+import concurrent.futures
+import time
+
+import numpy as np
+import pytest
+
+from dgr2_jax.decode import sampler
+from dgr2_jax.serve import engine as engine_lib
+from dgr2_jax.serve import slots as slots_lib
+
+
+def _prompts(n, seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(6, 60, size=int(k)).tolist() for k in rng.integers(3, 12, size=n)]
+
+
+def _serve_all(eng, reqs, timeout=300):
+  sched = engine_lib.Scheduler({eng.mode: eng}).start()
+  try:
+    for r in reqs:
+      sched.submit(eng.mode, r)
+    return [r.future.result(timeout=timeout) for r in reqs]
+  finally:
+    sched.stop()
+
+
+@pytest.fixture(scope="module")
+def block_decoder(tiny_lm):
+  """A 3-slot decoder of blocks of 4, 16 new tokens (shared: one compile)."""
+  cfg, params = tiny_lm
+  dc = sampler.decode_config_for(cfg, block_size=4, threshold=0.7, max_new_tokens=16)
+  return slots_lib.SlotDecoder(cfg, params, dc, slots=3, prompt_slots=12)
+
+
+def test_engine_threshold_equals_batch_decoder(tiny_lm, block_decoder):
+  """Requests admitted mid-block into 3 slots (3 steps per round), each with its own tau and
+  length limit, decode exactly as the batch decoder decodes them."""
+  cfg, params = tiny_lm
+  prompts = _prompts(7)
+  taus = [0.7 if i % 2 else 1.0 for i in range(7)]
+  limits = [16] * 6 + [8]
+  eng = engine_lib.Engine("threshold", block_decoder, steps_per_round=3)
+  reqs = [engine_lib.Request(p, threshold=t, max_new_tokens=m) for p, t, m in zip(prompts, taus, limits)]
+  out = _serve_all(eng, reqs)
+  for tau in (0.7, 1.0):
+    ref = sampler.generate(cfg, params, prompts, sampler.decode_config_for(
+        cfg, block_size=4, threshold=tau, max_new_tokens=16), max_prompt_len=12)
+    for i in range(6):
+      if taus[i] == tau:
+        assert out[i]["output_ids"] == ref["output_ids"][i], (tau, i)
+        assert out[i]["nfe"] == ref["nfe"][i], (tau, i)
+  ref8 = sampler.generate(cfg, params, prompts[6:], sampler.decode_config_for(
+      cfg, block_size=4, threshold=1.0, max_new_tokens=8), max_prompt_len=12)
+  assert out[6]["output_ids"] == ref8["output_ids"][0]
+  assert {len(o["output_ids"]) for o in out} != {16}       # some rows stop at EOS: slots get reused
+  st = eng.stats
+  assert st.finished == 7 and eng.occupancy() == 0 and st.rounds > 3
+  assert 0 < st.busy_row_iterations <= st.row_iterations
+
+
+def test_engine_ar_policies_equal_batch_decoder(tiny_lm):
+  """AR decoding (block size 1) under each admission policy."""
+  cfg, params = tiny_lm
+  prompts = _prompts(5, seed=1)
+  dc = sampler.decode_config_for(cfg, block_size=1, threshold=1.0, max_new_tokens=8)
+  dec = slots_lib.SlotDecoder(cfg, params, dc, slots=2, prompt_slots=12)
+  ref = sampler.generate(cfg, params, prompts, dc, max_prompt_len=12)
+  for policy in engine_lib.POLICIES:
+    eng = engine_lib.Engine("ar", dec, steps_per_round=3, policy=policy)
+    out = _serve_all(eng, [engine_lib.Request(p) for p in prompts])
+    assert [o["output_ids"] for o in out] == ref["output_ids"], policy
+
+
+def test_engine_deadline_and_cancel_free_slots(tiny_lm, block_decoder):
+  cfg, params = tiny_lm
+  eng = engine_lib.Engine("threshold", block_decoder, steps_per_round=1, max_queue=3)
+  p = _prompts(7)
+  expired = engine_lib.Request(p[0], deadline=time.monotonic() - 1)
+  gone = engine_lib.Request(p[1])
+  gone.cancel()
+  ok = engine_lib.Request(p[2])
+  eng.submit(expired), eng.submit(gone), eng.submit(ok)
+  with pytest.raises(engine_lib.QueueFull):
+    eng.submit(engine_lib.Request(p[3]))
+  while eng.run_round():
+    pass
+  with pytest.raises(engine_lib.DeadlineExceeded):
+    expired.future.result(0)
+  with pytest.raises(engine_lib.Cancelled):
+    gone.future.result(0)
+  ref = sampler.generate(cfg, params, p, sampler.decode_config_for(   # the first test's shapes
+      cfg, block_size=4, threshold=1.0, max_new_tokens=16), max_prompt_len=12)
+  assert ok.future.result(0)["output_ids"] == ref["output_ids"][2]
+  # A request cancelled while it holds a slot frees it at the next round.
+  running = eng.submit(engine_lib.Request(p[3]))
+  eng.run_round()
+  assert eng.occupancy() == 1
+  running.cancel()
+  eng.run_round()
+  assert eng.occupancy() == 0 and eng.stats.cancelled == 2 and eng.stats.expired == 1
+
+
+# ---- the HTTP server as a subprocess -------------------------------------------------------------
+BAD = [  # (body, status, field named in the one-line error, metrics reason)
+    (b"{bad", 400, "body", "bad_json"),
+    (b"[]", 400, "body", "bad_field"),
+    (b'{"history": [1]}', 400, "candidates", "bad_field"),
+    (b'{"history": "x", "candidates": [1]}', 400, "history", "bad_field"),
+    (b'{"history": [true], "candidates": [1]}', 400, "history", "bad_field"),
+    (b'{"history": [1], "candidates": [1, 2]}', 400, "candidates", "candidate_count"),
+    (b'{"history": [99999], "candidates": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]}', 400, "history", "unknown_item"),
+    (b'{"history": [1], "candidates": [0, 1, 2, 3, 4, 5, 6, 7, 8, -1]}', 400, "candidates", "unknown_item"),
+    (b'{"history": [1], "candidates": [0, 0, 2, 3, 4, 5, 6, 7, 8, 9]}', 400, "candidates", "bad_field"),
+    (b'{"history": [1], "candidates": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "mode": "fast"}', 400, "mode", "bad_field"),
+    (b'{"history": [1], "candidates": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "threshold": 2}', 400, "threshold", "bad_field"),
+    (b'{"history": [1], "candidates": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "threshold": NaN}', 400, "threshold",
+     "bad_field"),
+    (b'{"history": [1], "candidates": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "max_new_tokens": 9999}', 400,
+     "max_new_tokens", "bad_field"),
+    (b'{"history": [1], "candidates": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "timeout_s": "soon"}', 400, "timeout_s",
+     "bad_field"),
+    (b'{"history": [1], "candidates": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "extra": 1}', 400, "extra", "bad_field"),
+    (b"x" * 70000, 413, "body", "too_large"),
+]
+
+
+def test_server_over_http(smoke_workdir):
+  """The server on the toy pipeline's workdir: every mode answers the eval stage's test
+  impressions as evaluation did (speculative = ar), bad requests interleaved with good ones get
+  their 4xx with one line naming the field and are counted, a full queue answers 429 with
+  Retry-After, deadlines 504, and SIGTERM lets in-flight requests finish before it exits."""
+  httpx = pytest.importorskip("httpx")
+  for mod in ("starlette", "uvicorn", "prometheus_client"):   # the `serve` extra
+    pytest.importorskip(mod)
+  import json
+  import os
+  from dgr2_jax.serve import client
+  from dgr2_jax.task import answer as answer_lib
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", PYTHONPATH=repo)
+  proc, url = client.start_server(["--config=configs/demo.py:smoke", f"--workdir={smoke_workdir}", "--slots=2",
+                                   "--steps_per_round=4", "--max_queue=2"], client.free_port(), env=env, cwd=repo)
+  try:
+    imps = client.impressions(smoke_workdir, limit=4)
+    expect = {}
+    for mode, method in (("threshold", "cft_opd_rl"), ("ar", "ar"), ("speculative", "speculative")):
+      rows = [json.loads(l) for l in open(os.path.join(smoke_workdir, "eval", method, "predictions.jsonl"))]
+      assert len(rows) == len(imps)
+      expect[mode] = [(r["ranking_items"] or imp["candidates"], answer_lib.split_response(r["output"])[0] or "",
+                       r["nfe"]) for r, imp in zip(rows, imps)]
+    jobs = [(mode, i) for i in range(len(imps)) for mode in expect]
+    bad = iter(BAD * 2)
+
+    def good(job):   # retries on 429 (queue of 2 per mode, 4 concurrent requests per mode)
+      mode, i = job
+      for _ in range(200):
+        r = httpx.post(url + "/v1/rerank", json=dict(imps[i], mode=mode, timeout_s=300), timeout=300)
+        if r.status_code != 429:
+          return r, 0
+        assert r.headers["retry-after"] == "1"
+        time.sleep(0.2)
+      raise AssertionError("still 429 after 200 tries")
+
+    def bad_one(_):
+      body, status, field, _ = next(bad)
+      r = httpx.post(url + "/v1/rerank", content=body, timeout=60)
+      return r, (status, field)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+      futs = [ex.submit(good, j) for j in jobs] + [ex.submit(bad_one, k) for k in range(len(BAD) * 2)]
+      results = [f.result(timeout=900) for f in futs]
+    for (mode, i), (r, _) in zip(jobs, results):
+      assert r.status_code == 200, r.text
+      out = r.json()
+      want_rank, want_reason, want_nfe = expect[mode][i]
+      assert (out["ranking"], out["reasoning"], out["nfe"]) == (want_rank, want_reason, want_nfe), (mode, i)
+      assert out["fallback"] == (not out["valid"]) and out["latency_ms"] > 0
+    for r, (status, field) in (x for x in results[len(jobs):]):
+      assert r.status_code == status, r.text
+      msg = r.json()["error"]
+      assert "\n" not in msg and msg.startswith(field + ":"), msg
+    r = httpx.post(url + "/v1/rerank", json=dict(imps[0], mode="speculative", timeout_s=0.001), timeout=60)
+    assert r.status_code == 504 and r.json()["error"].startswith("timeout_s:")
+    gen = httpx.post(url + "/v1/generate", json={"prompt_ids": [5, 6, 7], "mode": "ar", "max_new_tokens": 8},
+                     timeout=120)
+    assert gen.status_code == 200 and 1 <= len(gen.json()["output_ids"]) <= 8, gen.text
+    metrics = httpx.get(url + "/metrics", timeout=30).text
+    for reason in {b[3] for b in BAD}:
+      want = 2 * sum(b[3] == reason for b in BAD)
+      assert client.metric_value(metrics, "dgr2_rejected_requests_total", reason=reason) == want, reason
+    assert client.metric_value(metrics, "dgr2_rejected_requests_total", reason="deadline") == 1
+    assert client.metric_value(metrics, "dgr2_rejected_requests_total", reason="queue_full") >= 1
+    for mode in expect:
+      assert client.metric_value(metrics, "dgr2_requests_total", endpoint="rerank", mode=mode) == len(imps)
+      assert client.metric_value(metrics, "dgr2_slot_occupancy", mode=mode) == 0.0
+    assert httpx.get(url + "/healthz", timeout=10).status_code == 200 and proc.poll() is None
+    # SIGTERM while requests are in flight: they are answered, then the process exits cleanly.
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+      futs = [ex.submit(httpx.post, url + "/v1/rerank", json=dict(imp, mode="ar"), timeout=300)
+              for imp in imps[:2]]
+      time.sleep(0.5)
+      assert client.stop_server(proc) == 0
+      assert [f.result(timeout=300).status_code for f in futs] == [200, 200]
+  finally:
+    client.stop_server(proc)
+
+
+def test_ray_serve_two_replicas(smoke_workdir):
+  """Two replicas behind Ray Serve on a local Ray instance answer as evaluation did (and so as one
+  server does), both replicas taking requests. Skipped without the `serve-ray` extra."""
+  pytest.importorskip("ray.serve")
+  httpx = pytest.importorskip("httpx")
+  import json
+  import os
+  import subprocess
+  import sys
+  from dgr2_jax.serve import client
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", PYTHONPATH=repo, RAY_USAGE_STATS_ENABLED="0")
+  port = client.free_port()
+  cmd = [sys.executable, "-m", "dgr2_jax.serve.ray_app", "--config=configs/demo.py:smoke",
+         f"--workdir={smoke_workdir}", "--replicas=2", "--modes=threshold", "--slots=2", "--host=127.0.0.1",
+         f"--port={port}", "--replica_cpus=0.5"]
+  proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  url = f"http://127.0.0.1:{port}"
+  try:
+    def ready_pid(_):
+      try:
+        r = httpx.get(url + "/readyz", timeout=5)
+        return r.headers.get("x-dgr2-pid") if r.status_code == 200 else None
+      except httpx.HTTPError:
+        return None
+    t_end = time.monotonic() + 900
+    while True:   # until both replicas answer /readyz
+      assert proc.poll() is None, proc.stdout.read()[-3000:]
+      assert time.monotonic() < t_end, "Ray Serve not ready"
+      with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        if len(set(ex.map(ready_pid, range(8))) - {None}) == 2:
+          break
+      time.sleep(1)
+    imps = client.impressions(smoke_workdir, limit=4)
+    rows = [json.loads(l) for l in open(os.path.join(smoke_workdir, "eval", "cft_opd_rl", "predictions.jsonl"))]
+    jobs = list(range(len(imps))) * 4
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+      res = list(ex.map(lambda i: httpx.post(url + "/v1/rerank", json=imps[i], timeout=300), jobs))
+    pids = set()
+    for i, r in zip(jobs, res):
+      assert r.status_code == 200, r.text
+      assert r.json()["ranking"] == (rows[i]["ranking_items"] or imps[i]["candidates"])
+      assert r.json()["nfe"] == rows[i]["nfe"]
+      pids.add(r.headers["x-dgr2-pid"])
+    assert len(pids) == 2, pids
+  finally:
+    client.stop_server(proc, timeout=120)
