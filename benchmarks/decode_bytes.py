@@ -190,7 +190,8 @@ def _trip_count(attrs: str, cond: list):
 class Loop:
   name: str
   trip: int | None
-  own: dict            # leaf -> bytes read per iteration by the body itself (conditionals: max branch)
+  own: dict            # leaf -> bytes read per iteration by the body itself (conditionals: max branch);
+                       # rows gathered (an embedding lookup) count under key (leaf, "gather")
   conds: int           # conditionals the body runs itself per iteration
   converts: list       # (leaf, what) f32 converts of weights in the body
   children: list       # nested Loops
@@ -208,9 +209,10 @@ class Counter:
   """Walks an optimised HLO module from its entry, following each weight (entry parameters
   0..n-1) through aliases, loop-carried tuples, conditionals and calls (module docstring)."""
 
-  def __init__(self, text: str, leaf_dtypes: list):
+  def __init__(self, text: str, leaf_dtypes: list, leaf_sizes: list):
     self.comps, self.entry = parse_hlo(text)
     self.leaf_dtypes = leaf_dtypes   # HLO dtype names of the weight leaves, by entry parameter
+    self.leaf_sizes = leaf_sizes     # their element counts
     self.loops: list[Loop] = []
 
   def run(self):
@@ -279,10 +281,16 @@ class Counter:
       elif ins.opcode == "while":
         body, cond = _attr(ins.attrs, "body"), _attr(ins.attrs, "condition")
         child = Loop(ins.name, _trip_count(ins.attrs, self.comps[cond]), {}, 0, [], [])
+        # Only loop-invariant elements keep their weight: a dry walk finds what the body returns.
+        init = ops[0]
+        if isinstance(init, tuple):
+          back = self._walk(body, None, [init], Loop("dry", 1, {}, 0, [], []))
+          init = tuple(x if isinstance(back, tuple) and i < len(back) and back[i] == x else None
+                       for i, x in enumerate(init))
         node.children.append(child)
-        self._walk(body, child, [ops[0]], child)
-        self._walk(cond, child, [ops[0]], child)
-        out = ops[0]
+        self._walk(body, child, [init], child)
+        self._walk(cond, child, [init], child)
+        out = init
       elif ins.opcode == "conditional":
         if loop is not None:
           loop.conds += 1
@@ -305,11 +313,14 @@ class Counter:
         weights = [(j, o) for j, o in enumerate(ops) if isinstance(o, list)]
         called = _attr(ins.attrs, "calls") if ins.opcode == "fusion" else None
         for j, (leaf, dt) in weights:
-          nbytes = array_bytes(self._operand_shape(comp, ins.operands[j]))
+          # A broadcast weight (a norm scale over [B, T, E]) is read once: at most its own bytes.
+          nbytes = min(array_bytes(self._operand_shape(comp, ins.operands[j])),
+                       self.leaf_sizes[leaf] * _ITEM.get(dt, 4))
           if loop is not None:
             read = self._fused_read(called, j, nbytes) if called else (
                 array_bytes(ins.shape) if ins.opcode in SLICING else nbytes)
-            loop.own[leaf] = loop.own.get(leaf, 0) + read
+            key = (leaf, "gather") if ins.opcode == "gather" else leaf
+            loop.own[key] = loop.own.get(key, 0) + read
             if dt == "f32" and self.leaf_dtypes[leaf] != "f32":
               loop.converts.append((leaf, f"reads an f32 copy ({ins.name})"))
             if dt != "f32" and ((ins.opcode == "convert" and _dtype(ins.shape) == "f32")
@@ -340,7 +351,7 @@ def step_loops(loops: list, paths: list) -> list:
   """The decode loops: every loop whose body reads some layer weight itself (module docstring)."""
   out = []
   for lp in loops:
-    if any(_layer_leaf(paths[k]) for k in lp.own):
+    if any(_layer_leaf(paths[k if isinstance(k, int) else k[0]]) for k in lp.own):
       out.append(lp)
     out.extend(step_loops(lp.children, paths))
   return out
@@ -350,7 +361,7 @@ def round_trips(loops: list, paths: list):
   """(host round trips, decode steps) per iteration of the outermost data-dependent loop that runs
   decode steps, summed over such loops."""
   def steps(lp):
-    own = 1 if any(_layer_leaf(paths[k]) for k in lp.own) else 0
+    own = 1 if any(_layer_leaf(paths[k if isinstance(k, int) else k[0]]) for k in lp.own) else 0
     return own + sum(steps(ch) * (ch.trip or 1) for ch in lp.children)
 
   def conds(lp):
@@ -373,7 +384,8 @@ def analyse(compiled_text: str, leaves: list) -> dict:
   weight arguments, in argument order (entry parameters 0..n-1)."""
   paths = [p for p, _ in leaves]
   hlo_dt = {np.dtype(jnp.bfloat16): "bf16", np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}
-  counter = Counter(compiled_text, [hlo_dt[np.dtype(x.dtype)] for _, x in leaves])
+  counter = Counter(compiled_text, [hlo_dt[np.dtype(x.dtype)] for _, x in leaves],
+                    [int(np.prod(x.shape)) for _, x in leaves])
   loops = counter.run()
   decode = step_loops(loops, paths)
   if not decode:
@@ -383,10 +395,11 @@ def analyse(compiled_text: str, leaves: list) -> dict:
     for k, v in lp.reads().items():
       reads[k] = max(reads.get(k, 0), v)
   sizes = [int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for _, x in leaves]
-  ratio = {paths[k]: reads.get(k, 0) / sizes[k] for k in range(len(paths))}
+  ratio = {paths[k]: reads.get(k, 0) / sizes[k] for k in range(len(paths))}   # rows gathered aside
+  gathered = {paths[k]: reads.get((k, "gather"), 0) / sizes[k] for k in range(len(paths))}
   converts = sorted({(paths[k], what) for lp in decode for k, what in _all_converts(lp)})
   trips, steps = round_trips(loops, paths)
-  return dict(reads=ratio, weight_bytes_read=sum(reads.values()), converts=converts,
+  return dict(reads=ratio, gathered=gathered, weight_bytes_read=sum(reads.values()), converts=converts,
               round_trips=trips, steps_per_round_trip_unit=steps,
               round_trips_per_token=trips / max(steps, 1))
 
@@ -495,8 +508,10 @@ def measure(shape: str, program: str, batch: int) -> dict:
     raise RuntimeError(f"{shape} {program}: layers read differently ({uneven[:3]}): cannot extrapolate")
   # Weight bytes read per step at full depth: the non-layer leaves as counted, each layer leaf's
   # ratio times its bytes at full depth.
-  full_leaves = leaves_of((qwen3.param_shapes(cfg_full),) * models)
-  ratio_of = lambda p: res["reads"].get(re.sub(r"layers_\d+/", "layers_0/", p), 0.0)
+  full_shapes = qwen3.param_shapes(cfg_full)
+  full_leaves = leaves_of(full_shapes if models == 1 else (full_shapes, full_shapes))
+  at0 = lambda p: re.sub(r"layers_\d+/", "layers_0/", p)
+  ratio_of = lambda p: res["reads"].get(at0(p), 0.0) + res["gathered"].get(at0(p), 0.0)
   read = sum(ratio_of(p) * int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for p, x in full_leaves)
   c = cfg_full
   slots = FLAGS.prompt_len + FLAGS.max_new_tokens
