@@ -158,3 +158,17 @@ def test_bf16_decoding_agrees_with_f32(tiny_lm, bs, tau):
   d = np.abs(a["logprob"] - b["logprob"])[np.asarray(same)]
   assert d.max() < 0.1 and d.mean() < 0.02, (d.max(), d.mean())
   assert not np.array_equal(a["logprob"], b["logprob"])        # it did compute in bf16
+
+
+def test_top_k_top_p_from_candidates_equal_the_sorted_filters():
+  """The lax.top_k candidates keep exactly what a sort of the whole row keeps, at Qwen3's
+  vocabulary; a flat row whose top-p mass the candidates do not reach takes the sorted path."""
+  from dgr2_jax.decode import sampling
+  v = 151936
+  x = jax.random.normal(jax.random.PRNGKey(0), (3, v)) * 3
+  x = x.at[1].set(jax.random.normal(jax.random.PRNGKey(1), (v,)) * 0.01)
+  fast, full = jax.jit(sampling._filter_top_k_top_p), jax.jit(sampling._filter_sorted)  # pylint: disable=protected-access
+  for k, p in ((0, 0.9), (20, 1.0), (20, 0.5), (2000, 1.0), (0, 0.999), (1, 0.3), (1024, 0.9)):
+    a, b = fast(x, jnp.int32(k), jnp.float32(p)), full(x, jnp.int32(k), jnp.float32(p))
+    np.testing.assert_array_equal(np.asarray(a) > -1e29, np.asarray(b) > -1e29)
+    np.testing.assert_array_equal(np.where(np.asarray(a) > -1e29, a, 0), np.where(np.asarray(b) > -1e29, b, 0))
