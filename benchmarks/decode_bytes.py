@@ -68,6 +68,8 @@ flags.DEFINE_integer("layers", 2, "layers compiled (>= 2); counts extrapolate to
 flags.DEFINE_integer("commits", 4, "tokens per row and step of the diffusion/speculative roofline")
 flags.DEFINE_bool("check", False, "exit 1 naming each target missed")
 flags.DEFINE_string("json_out", "", "also write the rows as JSON here")
+flags.DEFINE_string("hlo_dir", "", "also compile each decoder for this backend, write its optimised HLO "
+                    "here and count the copies, converts and all-gathers inside its decode loop")
 
 SHAPES = {
     "qwen3_0p6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -404,6 +406,34 @@ def analyse(compiled_text: str, leaves: list) -> dict:
               round_trips_per_token=trips / max(steps, 1))
 
 
+def loop_ops(compiled_text_: str, leaves: list) -> dict:
+  """Instructions by kind (copy, convert, all-gather) inside the decode loops of an optimised
+  program, fused computations included: what a step moves beyond its matmuls."""
+  counter = Counter(compiled_text_, [{np.dtype(jnp.bfloat16): "bf16"}.get(np.dtype(x.dtype), "f32") for _, x in leaves],
+                    [int(np.prod(x.shape)) for _, x in leaves])
+  loops = step_loops(counter.run(), [p for p, _ in leaves])
+  seen, todo = set(), []
+  for lp in loops:
+    ins = next(i for c in counter.comps.values() for i in c if i.name == lp.name)
+    todo.append(_attr(ins.attrs, "body"))
+  while todo:
+    comp = todo.pop()
+    if comp in seen or comp not in counter.comps:
+      continue
+    seen.add(comp)
+    for ins in counter.comps[comp]:
+      for key in ("calls", "to_apply", "body", "condition"):
+        if _attr(ins.attrs, key):
+          todo.append(_attr(ins.attrs, key))
+      todo.extend(_branches(ins.attrs))
+  counts = {"copy": 0, "convert": 0, "all-gather": 0}
+  for comp in seen:
+    for ins in counter.comps[comp]:
+      for k in counts:
+        counts[k] += ins.opcode.startswith(k) and not ins.opcode.endswith("-done")
+  return counts
+
+
 def _all_converts(lp: Loop):
   out = list(lp.converts)
   for ch in lp.children:
@@ -488,6 +518,12 @@ def measure(shape: str, program: str, batch: int) -> dict:
       fn, args, leaves = decoder_program(program, cfg, batch, FLAGS.prompt_len, FLAGS.max_new_tokens,
                                          FLAGS.block_size)
       res = analyse(lowered_text(fn, args), leaves)
+      if FLAGS.hlo_dir:
+        text = compiled_text(fn, args)
+        os.makedirs(FLAGS.hlo_dir, exist_ok=True)
+        with open(os.path.join(FLAGS.hlo_dir, f"{shape}_{program}_b{batch}_l{layers}.hlo.txt"), "w") as f:
+          f.write(text)
+        res["loop_ops"] = loop_ops(text, leaves)
     slots = FLAGS.prompt_len + FLAGS.max_new_tokens
     if program == "speculative":   # a round: the drafter's window step and the verifier's W+1 window
       b1, f1 = cost(*step_program("diffusion", cfg, batch, slots, FLAGS.block_size))
@@ -531,7 +567,8 @@ def measure(shape: str, program: str, batch: int) -> dict:
       round_trips_per_token=res["round_trips_per_token"],
       xla_bytes_gb=scale(0) / 1e9, xla_tflops=scale(1) / 1e12, ideal_gb=ideal / 1e9,
       roofline_steps_h100=HBM["H100"] / ideal, roofline_steps_h200=HBM["H200"] / ideal,
-      roofline_tok_h100=tokens * HBM["H100"] / ideal, roofline_tok_h200=tokens * HBM["H200"] / ideal)
+      roofline_tok_h100=tokens * HBM["H100"] / ideal, roofline_tok_h200=tokens * HBM["H200"] / ideal,
+      loop_ops=res.get("loop_ops"))
 
 
 def compiled_text(fn, args) -> str:
@@ -589,6 +626,12 @@ def main(_):
         f"counted at {FLAGS.layers} layers on {jax.default_backend()}; diffusion/speculative tokens at "
         f"{FLAGS.commits} per row and step.\n")
   print(table(rows))
+  if FLAGS.hlo_dir:
+    print(f"\nInside the decode loop of the optimised program ({jax.default_backend()}, {FLAGS.layers} layers; "
+          f"HLO in {FLAGS.hlo_dir}):\n\n| shape | program | batch | copies | converts | all-gathers |\n|---|---|---|---|---|---|")
+    for r in rows:
+      o = r["loop_ops"]
+      print(f"| {r['shape']} | {r['program']} | {r['batch']} | {o['copy']} | {o['convert']} | {o['all-gather']} |")
   if FLAGS.json_out:
     with open(FLAGS.json_out, "w") as f:
       json.dump(rows, f, indent=1)
