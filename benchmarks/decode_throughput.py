@@ -16,8 +16,11 @@ every row generates exactly that many. All rows in one process, side by side:
   * diffusion tokens/s per schedule, its ratio to AR, NFE per sequence;
   * window cost: one forward of a 32- and a 64-slot window against the full KV cache relative to
     a 1-slot AR step (each timed in a `fori_loop`).
-Throughput = generated tokens / wall time of the jitted generate call after a warm-up call
-(compile time reported separately). `--json_out` writes the rows.
+Throughput = generated tokens / wall time of the jitted generate call after a warm-up call, and
+the decode rate without the prompt's prefill (generated tokens / (wall - one prefill of the same
+prompts, timed alone)); compile time = the first call's time less a timed call's. The roofline
+counts the weights a step reads: all of them but an untied input embedding (a step gathers a few
+of its rows). `--json_out` writes the rows.
 """
 
 from __future__ import annotations
@@ -85,17 +88,37 @@ def load_model():
 
 
 def time_call(fn, n):
-  out = fn(0)
-  jax.block_until_ready(out)
-  times = []
+  """(median seconds of n calls after the first, last output, compile seconds: the first call's
+  time less that median)."""
   t0 = time.perf_counter()
+  jax.block_until_ready(fn(0))
+  first = time.perf_counter() - t0
+  times = []
   for i in range(n):
     s = time.perf_counter()
     out = fn(i + 1)
     jax.block_until_ready(out)
     times.append(time.perf_counter() - s)
-  compile_s = max(time.perf_counter() - t0 - sum(times), 0.0)
-  return float(np.median(times)), out, compile_s
+  wall = float(np.median(times))
+  return wall, out, max(first - wall, 0.0)
+
+
+def prefill_seconds(mc, params, toks, lens, slots: int, n: int) -> float:
+  """Median seconds of the decoder's prefill alone: the prompt's window forward into an empty KV
+  cache of `slots`, as `sampler._decode` runs it."""
+  p = toks.shape[1]
+  pos = masks.left_pad_positions(jnp.asarray(lens), p, slots)
+  fn = jax.jit(lambda prm, t, n_: sampler.window_forward(mc, prm, t, 0, qwen3.init_cache(mc, t.shape[0], slots),
+                                                         n_, p, pos, return_hidden=True)[0][:, -1])
+  return time_call(lambda i: fn(params, toks, lens), n)[0]
+
+
+def read_weight_bytes(cfg) -> int:
+  """Bytes of the weights a decoding step reads: all but an untied input embedding."""
+  shapes = qwen3.param_shapes(cfg)
+  total = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(shapes))
+  emb = shapes["embed_tokens"]["embedding"]
+  return total - (0 if cfg.tie_word_embeddings else int(np.prod(emb.shape)) * jnp.dtype(emb.dtype).itemsize)
 
 
 def window_loop(cfg, params, batch: int, slots: int, width: int, head: bool = False, n: int = 50):
@@ -139,7 +162,7 @@ def window_costs(cfg, params, batch: int, slots: int, widths=(1, 32, 64), head: 
 def main(_):
   cfg, params = load_model()
   n_params = qwen3.count_params(qwen3.param_shapes(cfg))
-  weight_bytes = n_params * jnp.dtype(cfg.jnp_param_dtype).itemsize
+  weight_bytes = read_weight_bytes(cfg)
   kind = jax.devices()[0].device_kind
   hbm = FLAGS.hbm_gbps or next((v for k, v in HBM_GBPS.items() if k.lower() in kind.lower()), 0.0)
   rs = np.random.RandomState(0)
@@ -161,28 +184,35 @@ def main(_):
         mc, fn = sampler.decoder_for(cfg, dc)
         wall, out, compile_s = time_call(
             lambda i: sampler.run_decoder(fn, params, toks, lens, dc, jax.random.PRNGKey(i)), FLAGS.repeats)
+        slots = max(FLAGS.prompt_len, block) + new
+        prefill = prefill_seconds(mc, params, toks, lens, slots, FLAGS.repeats)
         row = dict(name=name, batch=bsz, new_tokens=new, block_size=block, steps_per_block=spb, wall_s=wall,
+                   prefill_s=prefill,
+                   # nan where the prefill timed alone is not shorter than the whole call (tiny models)
+                   decode_tokens_per_s=bsz * new / (wall - prefill) if wall > prefill else float("nan"),
                    compile_s=compile_s, tokens_per_s=bsz * new / wall,
                    nfe_per_seq=float(np.mean(np.asarray(out["nfe"]))), forward_passes=int(out["forward_passes"]))
         if name == "ar":
           kv_bytes = (FLAGS.prompt_len + new / 2) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * \
               cfg.head_dim * jnp.dtype(cfg.jnp_dtype).itemsize * bsz
           row["roofline_tokens_per_s"] = bsz * hbm * 1e9 / (weight_bytes + kv_bytes) if hbm else None
-          row["roofline_fraction"] = row["tokens_per_s"] / row["roofline_tokens_per_s"] if hbm else None
+          row["roofline_fraction"] = row["decode_tokens_per_s"] / row["roofline_tokens_per_s"] if hbm else None
           ar = row
-        row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"]
+        row["speedup"] = row["decode_tokens_per_s"] / ar["decode_tokens_per_s"]
         rows.append(row)
-        print(f"  new {new} batch {bsz} {name}: {row['tokens_per_s']:.1f} tok/s ({row['speedup']:.2f}x AR), "
+        print(f"  new {new} batch {bsz} {name}: {row['decode_tokens_per_s']:.1f} decode tok/s "
+              f"({row['speedup']:.2f}x AR; {row['tokens_per_s']:.1f} with the prefill), "
               f"NFE {row['nfe_per_seq']:.1f}, compile {compile_s:.1f}s", flush=True)
   costs = window_costs(cfg, params, 1, FLAGS.prompt_len + 64)
   print()
-  print("| new tokens | batch | decoder | tokens/s | vs AR | NFE/seq | AR roofline tok/s | AR roofline fraction | compile s |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("| new tokens | batch | decoder | decode tokens/s | vs AR | tokens/s with prefill | prefill s | NFE/seq | "
+        "AR roofline tok/s | AR roofline fraction | compile s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     rf = r.get("roofline_tokens_per_s")
     fr = r.get("roofline_fraction")
-    print(f"| {r['new_tokens']} | {r['batch']} | {r['name']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
-          f"{r['nfe_per_seq']:.1f} | {'' if rf is None else f'{rf:.0f}'} | {'' if fr is None else f'{fr:.0%}'} | "
+    print(f"| {r['new_tokens']} | {r['batch']} | {r['name']} | {r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+          f"{r['tokens_per_s']:.1f} | {r['prefill_s']:.3f} | {r['nfe_per_seq']:.1f} | {'' if rf is None else f'{rf:.0f}'} | {'' if fr is None else f'{fr:.0%}'} | "
           f"{r['compile_s']:.1f} |")
   print(f"\nwindow cost at batch 1 (prompt {FLAGS.prompt_len} + 64 cache slots): 1 slot {costs[1] * 1e3:.3f} ms, "
         f"32 slots {costs[32] * 1e3:.3f} ms ({costs[32] / costs[1]:.2f}x), 64 slots {costs[64] * 1e3:.3f} ms "

@@ -39,7 +39,9 @@ def model_config() -> ml_collections.ConfigDict:
   c.rope_theta = 1_000_000.0
   c.tie_word_embeddings = True
   c.max_position_embeddings = 4096
-  c.dtype = "float32"        # activations / matmuls
+  # Activations / matmuls / KV cache; 'auto' = param_dtype (a loaded checkpoint's own dtype: bf16
+  # checkpoints decode in bf16). Logits, softmax statistics and log-probs are f32 in any case.
+  c.dtype = "auto"
   c.param_dtype = "float32"  # stored parameters (master weights: train.param_dtype)
   c.remat = False
   # Attention route (dgr2_jax/model/attention.py): 'xla' (dense, fastest for tiny CPU models),
@@ -49,6 +51,9 @@ def model_config() -> ml_collections.ConfigDict:
   c.attention_impl = "xla"
   c.attention_k_splits = 0   # key splits of 'splitkey'; 0 = two thread blocks per SM at the batch
   c.logits_chunk = 0         # positions per vocabulary chunk of the losses; 0 = 64 MiB of logits
+  # f32 logits of one decoding step's positions computed by one LM-head matmul (above: vocabulary
+  # tiles for greedy steps, a few rows at a time otherwise); 2 GiB = batch 64 x 33 slots at Qwen3's V.
+  c.logits_budget_bytes = 2**31
   return c
 
 

@@ -192,8 +192,10 @@ def validate(config, workdir: str | None) -> None:
 
   if "model" in c:
     m = c.model
-    for f in ("dtype", "param_dtype"):
-      _one_of(c, "model", f, DTYPES)
+    _one_of(c, "model", "dtype", ("auto",) + DTYPES)
+    _one_of(c, "model", "param_dtype", DTYPES)
+    if "logits_budget_bytes" in m:
+      _positive_int(c, "model", "logits_budget_bytes")
     if "attention_impl" in m:
       _one_of(c, "model", "attention_impl", ATTENTION_IMPLS)
     if "logits_chunk" in m:

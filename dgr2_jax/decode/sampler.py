@@ -194,12 +194,14 @@ def _sampled_choice(key, logits, temperature, mask_id):
 def choose(config, params, hidden, keys, temperature, top_k, top_p, mask_id, route: str | None = None):
   """Token and its log-prob under the decoding distribution, per position.
 
-  hidden [B,N,E] (projected to the vocabulary here, a few rows at a time at large vocabularies:
-  model/logits.py); keys [B] (one per row). Without top-k/top-p: `_greedy_choice` or
-  `_sampled_choice` (one pass over the logits); with them `sampling.decoding_logprobs` +
-  `sampling.choose_tokens` (the sorted filters). `route` (static, `sampling_route`) picks one at
-  trace time; None picks it on the device from the traced settings (a `lax.switch`, whose
-  predicate a GPU copies to the host: the decoders always pass the route)."""
+  hidden [B,N,E]; keys [B] (one per row). The LM head is read once per step: when the step's f32
+  logits fit `config.logits_budget_bytes`, one matmul over every position; beyond it, greedy steps
+  walk the vocabulary in tiles (`logits.greedy_over_vocab`) and sampled ones project a few rows
+  at a time (model/logits.py). Without top-k/top-p: `_greedy_choice` or `_sampled_choice` (one
+  pass over the logits); with them `sampling.decoding_logprobs` + `sampling.choose_tokens`.
+  `route` (static, `sampling_route`) picks one at trace time; None picks it on the device from the
+  traced settings (a `lax.switch`/`lax.cond`, whose predicate a GPU copies to the host: the
+  decoders always pass the route)."""
   def rows(xs):
     h, k = xs
     lg = qwen3.lm_head(config, params, h)                                       # [b,N,V]
@@ -215,7 +217,15 @@ def choose(config, params, hidden, keys, temperature, top_k, top_p, mask_id, rou
     filtered = (top_k > 0) | (top_p < 1.0)
     return jax.lax.switch(jnp.where(filtered, 2, jnp.where(temperature > 0, 1, 0)), (greedy, sampled, general), lg)
   b, n = hidden.shape[:2]
-  return logits_lib.map_positions(rows, (hidden, keys), _rows_per_chunk(config, b, n))
+  per = _rows_per_chunk(config, b, n)
+  if per >= b:                                                                # one matmul
+    return rows((hidden, keys))
+  tiles = lambda xs: logits_lib.greedy_over_vocab(config, params, xs[0], mask_id)
+  chunks = lambda xs: logits_lib.map_positions(rows, xs, per)
+  if route is not None:
+    return (tiles if route == "greedy" else chunks)((hidden, keys))
+  greedy = (temperature <= 0) & (top_k <= 0) & (top_p >= 1.0)
+  return jax.lax.cond(greedy, tiles, chunks, (hidden, keys))
 
 
 ROUTES = ("greedy", "sampled", "filtered")
@@ -255,7 +265,8 @@ def decoding_logprobs_of(config, params, hidden, temperature, top_k, top_p, mask
 
 
 def _rows_per_chunk(config, rows: int, n: int) -> int:
-  per = max(1, config.logits_chunk // n) if config.logits_chunk > 0 else logits_lib.CHUNK_ELEMENTS // (n * config.vocab_size)
+  """Rows of n positions whose f32 logits fit `config.logits_budget_bytes` (1 <= . <= rows)."""
+  per = int(config.logits_budget_bytes) // (4 * n * int(config.vocab_size))
   return max(1, min(per, rows))
 
 
@@ -319,7 +330,7 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
             mask_id: int, kv_write: str, route: str | None, steps_per_sync: int, params, prompt_tokens,
             prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block=0):
   c, bsz = model_config.replace(scan_layers=False), block_size
-  params = qwen3.unstack_layers(params)  # per-layer params for the KV cache, once per call
+  params = qwen3.decode_params(c, params)  # per layer, in the compute dtype: once per call
   if prompt_tokens.shape[1] < bsz:  # block 0 needs a previous block of prompt slots (pad slots)
     prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (bsz - prompt_tokens.shape[1], 0)))
   b, p = prompt_tokens.shape

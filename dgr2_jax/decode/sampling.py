@@ -25,7 +25,7 @@ def decoding_logprobs(logits: jnp.ndarray, temperature, top_k, top_p, mask_id: i
   x = logits.astype(jnp.float32) / t
   if mask_id is not None:
     x = x.at[..., mask_id].set(_NEG)
-  # The sort behind top-k / top-p costs O(V log V) per position: skip it when both are off.
+  # The filters cost a top-k (or, rarely, a sort) per position: skip them when both are off.
   x = jax.lax.cond((top_k > 0) | (top_p < 1.0), lambda y: _filter_top_k_top_p(y, top_k, top_p),
                    lambda y: y, x)
   return jax.nn.log_softmax(x, axis=-1)
@@ -88,7 +88,35 @@ def _last_nonzero(x):
   return x.shape[-1] - 1 - jnp.argmax(x[..., ::-1] > 0, axis=-1)
 
 
+# Candidates of the top-k / top-p filters: `lax.top_k` of this many per position, not a sort of V.
+TOP_CANDIDATES = 1024
+
+
 def _filter_top_k_top_p(x, top_k, top_p):
+  """x [..., V] with the entries top-k / top-p remove set to _NEG. From the `TOP_CANDIDATES`
+  largest entries (`lax.top_k`) when the kept set provably lies among them (top-k at most that
+  many without a tie at the last candidate; top-p whose mass the candidates reach); else from a
+  sort of the whole row (`_filter_sorted`), so the result never depends on the shortcut."""
+  v = x.shape[-1]
+  c = min(TOP_CANDIDATES, v)
+  if c == v:
+    return _filter_sorted(x, top_k, top_p)
+  vals = jax.lax.top_k(x, c)[0]                                                  # [..., C] descending
+  on = top_k > 0
+  kth = jnp.where(on, jnp.take_along_axis(vals, jnp.broadcast_to(jnp.clip(top_k, 1, c) - 1, x.shape[:-1] + (1,))
+                                          .astype(jnp.int32), -1), -jnp.inf)     # [..., 1]
+  kept = jnp.where(vals >= kth, vals, _NEG)
+  # The top-p distribution is the top-k-renormalised one: over the kept candidates, or the whole row.
+  lse = jnp.where(on, jax.nn.logsumexp(kept, -1, keepdims=True), jax.nn.logsumexp(x, -1, keepdims=True))
+  p = jnp.exp(kept - lse)
+  mass_before = jnp.cumsum(p, -1) - p
+  cutoff = jnp.min(jnp.where(mass_before < top_p, kept, jnp.inf), -1, keepdims=True)
+  exact = jnp.where(on, (top_k <= c) & (vals[..., -1:] < kth), (top_p >= 1.0) | (mass_before[..., -1:] >= top_p))
+  fast = lambda x: jnp.where((top_p < 1.0) & (x < cutoff), _NEG, jnp.where(x >= kth, x, _NEG))
+  return jax.lax.cond(jnp.all(exact), fast, lambda x: _filter_sorted(x, top_k, top_p), x)
+
+
+def _filter_sorted(x, top_k, top_p):
   v = x.shape[-1]
   sorted_desc = -jnp.sort(-x, axis=-1)
   # top-k: keep logits >= the k-th largest.

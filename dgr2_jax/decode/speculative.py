@@ -80,7 +80,7 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
     # cond `sampling.decoding_logprobs` holds on them, a host round trip per step on a GPU.
     top_k, top_p = 0, 1.0
   dcfg, vcfg = dcfg.replace(scan_layers=False), vcfg.replace(scan_layers=False)
-  dparams, vparams = qwen3.unstack_layers(dparams), qwen3.unstack_layers(vparams)  # per layer, once
+  dparams, vparams = qwen3.decode_params(dcfg, dparams), qwen3.decode_params(vcfg, vparams)  # once
   # Block 0 needs a previous block of prompt slots (the drafter) and the verifier a prompt token
   # before the pending one: at least B + 1 prompt slots (pad slots).
   if prompt_tokens.shape[1] < bsz + 1:

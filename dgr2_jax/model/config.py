@@ -19,7 +19,9 @@ ATTENTION_KINDS = ("causal", "block_causal")
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "splitkey")  # dgr2_jax.model.attention.IMPLS
 # Fields a run chooses and a checkpoint does not record (`with_runtime`).
 RUNTIME_FIELDS = ("dtype", "remat", "remat_policy", "scan_layers", "attention_impl", "attention_k_splits",
-                  "logits_chunk")
+                  "logits_chunk", "logits_budget_bytes")
+# `dtype` may also be 'auto': compute in the parameters' dtype (`param_dtype`).
+COMPUTE_DTYPES = ("auto",) + tuple(_DTYPES)
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dots")
 # Extra keys we write into config.json so our checkpoints round-trip through HF directories.
 DIFFUSION_KEYS = ("block_size", "mask_token_id", "attention")
@@ -44,8 +46,10 @@ class Qwen3Config:
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
   pad_token_id: int | None = None
-  # Numerics: activations/matmuls in `dtype`, parameters stored in `param_dtype`; logits are f32.
-  dtype: str = "float32"
+  # Numerics: activations/matmuls and the KV cache in `dtype`, parameters stored in `param_dtype`;
+  # logits, softmax statistics and log-probs are f32. 'auto' = `param_dtype` (a loaded checkpoint
+  # records its tensors' dtype there, so a bf16 checkpoint decodes in bf16). Runtime.
+  dtype: str = "auto"
   param_dtype: str = "float32"
   # Rematerialise each decoder layer in the backward pass (saves activation memory), keeping what
   # `remat_policy` names (qwen3.REMAT_POLICIES: nothing_saveable, dots_saveable, ...).
@@ -65,6 +69,11 @@ class Qwen3Config:
   # Positions whose vocabulary-sized logits one chunk of a loss holds (model/logits.py); 0 = as many
   # as fit in logits.CHUNK_ELEMENTS f32 values. Runtime only.
   logits_chunk: int = 0
+  # Memory budget (bytes) of the f32 logits of one decoding step's vocabulary term (decode/sampler.py
+  # `choose`): within it, one matmul over all of the step's positions (the LM head read once);
+  # beyond it, greedy steps walk the vocabulary in tiles (still one read) and the others go a few
+  # rows at a time. 2 GiB holds batch 64 x a 33-slot window at Qwen3's vocabulary. Runtime only.
+  logits_budget_bytes: int = 2**31
   # Block diffusion. `attention="causal"` with block_size 1 is the AR model.
   block_size: int = 1
   mask_token_id: int | None = None
@@ -82,9 +91,12 @@ class Qwen3Config:
           f"num_key_value_heads ({self.num_key_value_heads})")
     if self.head_dim % 2:
       raise ValueError(f"model config field 'head_dim' must be even for rotary embeddings, got {self.head_dim}")
-    for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in _DTYPES:
-        raise ValueError(f"model config field '{name}' must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+    if self.dtype not in COMPUTE_DTYPES:
+      raise ValueError(f"model config field 'dtype' must be one of {list(COMPUTE_DTYPES)}, got {self.dtype!r}")
+    if self.param_dtype not in _DTYPES:
+      raise ValueError(f"model config field 'param_dtype' must be one of {sorted(_DTYPES)}, got {self.param_dtype!r}")
+    if not isinstance(self.logits_budget_bytes, int) or self.logits_budget_bytes <= 0:
+      raise ValueError(f"model config field 'logits_budget_bytes' must be a positive int, got {self.logits_budget_bytes!r}")
     if self.remat_policy not in REMAT_POLICIES:
       raise ValueError(f"model config field 'remat_policy' must be one of {REMAT_POLICIES}, got "
                        f"{self.remat_policy!r}")
@@ -108,7 +120,8 @@ class Qwen3Config:
   # ---- numerics -------------------------------------------------------------------------------
   @property
   def jnp_dtype(self):
-    return _DTYPES[self.dtype]
+    """The compute dtype: `dtype`, or `param_dtype` when `dtype` is 'auto'."""
+    return _DTYPES[self.param_dtype if self.dtype == "auto" else self.dtype]
 
   @property
   def jnp_param_dtype(self):
@@ -136,6 +149,8 @@ class Qwen3Config:
     for k in ("remat", "scan_layers"):
       if k in kw:
         kw[k] = bool(kw[k])
+    if "logits_budget_bytes" in kw:
+      kw["logits_budget_bytes"] = int(kw["logits_budget_bytes"])
     return self.replace(**kw)
 
   def as_block_diffusion(self, block_size: int, mask_token_id: int | None = None) -> "Qwen3Config":

@@ -227,6 +227,16 @@ def unstack_layers(params: Params) -> Params:
   return out
 
 
+def decode_params(config: Qwen3Config, params: Params) -> Params:
+  """The parameters a decoder's loop reads: per layer (the KV cache is per layer) and every float
+  leaf in the compute dtype `config.jnp_dtype`, so that no step converts a weight (f32 master
+  weights decoding in bf16 are cast once per call, before the loop). A per-layer tree already in
+  that dtype (a checkpoint decoding with dtype 'auto') is returned as it is: nothing is copied."""
+  dt = config.jnp_dtype
+  cast = lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dt else x
+  return jax.tree_util.tree_map(cast, unstack_layers(params))
+
+
 def to_layout(config: Qwen3Config, params: Params) -> Params:
   """`params` in the layout `config.scan_layers` computes with."""
   return stack_layers(params) if config.scan_layers else unstack_layers(params)
