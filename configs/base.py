@@ -71,6 +71,10 @@ def decode_config() -> ml_collections.ConfigDict:
   # How a finished block's clean K/V are written (decode/sampler.py): 'auto' = 'separate' on CPU,
   # 'fused' on accelerators; 'fused' | 'separate' force one.
   c.kv_write = "auto"
+  # The decode mesh of eval, generate and bench (dgr2_jax/decode/mesh.py): `data` splits each
+  # batch's rows, `tensor` the model (heads, MLP, vocabulary, KV cache); 0 or -1 = all remaining
+  # devices. Default: every device decodes its own rows. An 8B model at batch 1: data=1, tensor=8.
+  c.mesh = ml_collections.ConfigDict({"data": -1, "tensor": 1})
   return c
 
 

@@ -73,13 +73,14 @@ def make_mesh(data: int = -1, tensor: int = 1, devices=None) -> Mesh:
   return Mesh(np.asarray(devices[:d * t], dtype=object).reshape(d, t), AXES)
 
 
-def from_config(config) -> Mesh:
-  """The decode mesh of a run (`config.decode.mesh`, default every device on the data axis)."""
+def from_config(config) -> Mesh | None:
+  """The decode mesh of a run (`config.decode.mesh`, default every device on the data axis);
+  None on a single device (the decoders' plain single-device path)."""
   dec = config.get("decode", None) if hasattr(config, "get") else None
   section = dec.get("mesh", None) if dec is not None else None
   section = dict(section) if section is not None else {}
   d, t = mesh_shape(section, jax.device_count())
-  return make_mesh(d, t)
+  return make_mesh(d, t) if d * t > 1 else None
 
 
 def describe(mesh: Mesh | None) -> str:
