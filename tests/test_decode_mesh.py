@@ -83,13 +83,85 @@ print("RESULT " + json.dumps(res))
 """
 
 
-def test_decode_mesh_equals_one_device():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+# The eval stage end to end on 4 devices (synthetic task data, a tiny random model in place of the
+# model directory): decode.mesh.data=4 against data=1, recording the rows each device receives.
+_EVAL_CHILD = r"""
+import json, os, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+import jax, ml_collections, numpy as np
+from dgr2_jax.decode import mesh as dmesh
+from dgr2_jax.model import checkpoint, qwen3
+from dgr2_jax.model.config import Qwen3Config
+from dgr2_jax.stages import eval as eval_stage, traces as traces_stage
+from dgr2_jax.task import config as task_config, synthetic
+from dgr2_jax.task import tokenizer as tok_lib
+assert jax.device_count() == 4, jax.devices()
+data = synthetic.make(n_items=80, n_users=40, seed=1)
+traces_stage.load_task_data = lambda workdir: data
+traces_stage.load_items_sids = lambda workdir: (data["items"], data["sids"])
+work = tempfile.mkdtemp()
+c = ml_collections.ConfigDict()
+c.seed = 0
+c.task = task_config.task_config()
+c.task.update(demo_vocab_size=1024, prompt_len=640, response_len=256, insert_target="random_position")
+c.eval = task_config.eval_config()
+c.decode = ml_collections.ConfigDict(dict(block_size=4, threshold=0.7, temperature=0.0, top_k=0, top_p=1.0,
+                                          max_new_tokens=8, mesh=dict(data=1, tensor=1)))
+traces_stage.run(c, work)
+tok = tok_lib.load_tokenizer(traces_stage.tokenizer_dir(c, work))
+tids = tok_lib.token_ids(tok)
+cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, mask_token_id=tids.mask_id,
+                  eos_token_id=tids.eos_id, pad_token_id=tids.pad_id)
+params = jax.device_get(jax.tree_util.tree_map(lambda x: x * 8 if x.ndim == 2 else x,
+                                               qwen3.init_params(cfg, jax.random.PRNGKey(1))))
+checkpoint.load_model_dir = lambda path, *a, **k: (cfg, params)
+model_dir = os.path.join(work, "model"); os.makedirs(model_dir)
+placed = []
+put_rows = dmesh.put_rows
+def recording(mesh, *arrays):
+  out, n = put_rows(mesh, *arrays)
+  placed.append(out[0])
+  return out, n
+dmesh.put_rows = recording
+preds = {}
+for name, data_size in (("one", 1), ("dp4", 4)):
+  with c.unlocked():
+    c.eval.update(model_dir=model_dir, batch_size=3, max_examples=6, name=name)
+    c.decode.mesh.data = data_size
+  out = eval_stage.run(c, work)
+  preds[name] = [json.loads(l) for l in open(os.path.join(out, "predictions.jsonl"))]
+res = {"n": len(preds["one"]), "batches": len(placed),
+       "equal": preds["one"] == preds["dp4"],
+       "outputs": [r["output"] for r in preds["one"]]}
+shards = placed[0].addressable_shards
+res["devices"] = sorted(s.device.id for s in shards)
+res["rows"] = sorted(s.index[0].start for s in shards), [s.data.shape[0] for s in shards]
+res["rows_match"] = all(np.array_equal(np.asarray(s.data), np.asarray(placed[0])[s.index]) for s in shards)
+import shutil; shutil.rmtree(work)
+print("RESULT " + json.dumps(res))
+"""
+
+
+def _run_child(code: str, devices: int) -> dict:
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
              PYTHONPATH=REPO_ROOT)
-  proc = subprocess.run([sys.executable, "-c", _CHILD, REPO_ROOT], env=env, capture_output=True,
+  proc = subprocess.run([sys.executable, "-c", code, REPO_ROOT], env=env, capture_output=True,
                         text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-4000:]
-  res = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
+  return json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
+
+
+def test_eval_data_parallel_over_four_devices():
+  res = _run_child(_EVAL_CHILD, 4)
+  assert res["n"] == 6 and res["batches"] == 2 and len(set(res["outputs"])) > 1
+  assert res["equal"]                                      # predictions.jsonl equal to one device's
+  assert res["devices"] == [0, 1, 2, 3]                    # each device its own row of the batch
+  assert res["rows"] == [[0, 1, 2, 3], [1, 1, 1, 1]] and res["rows_match"]
+
+
+def test_decode_mesh_equals_one_device():
+  res = _run_child(_CHILD, 8)
   for t in (2, 4, 8):
     assert res[f"equal_t{t}"] == {"ar": True, "threshold": True, "speculative": True}, (t, res)
     assert res[f"q_shards_t{t}"] == [t, 64 // t]           # heads really split over tensor
