@@ -83,6 +83,10 @@ def decode_config() -> ml_collections.ConfigDict:
   # finished?" once per this many steps; up to this many - 1 steps after the last row finished
   # are masked (wasted). 1 = ask after every step.
   c.steps_per_sync = 8
+  # The decode mesh of eval, generate and bench (dgr2_jax/decode/mesh.py): `data` splits each
+  # batch's rows, `tensor` the model (heads, MLP, vocabulary, KV cache); 0 or -1 = all remaining
+  # devices. Default: every device decodes its own rows. An 8B model at batch 1: data=1, tensor=8.
+  c.mesh = ml_collections.ConfigDict({"data": -1, "tensor": 1})
   return c
 
 

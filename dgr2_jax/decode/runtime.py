@@ -23,29 +23,42 @@ def decode_config(config, tids, model_config=None) -> sampler.DecodeConfig:
   return sampler.decode_config_from(dec, **ids)
 
 
-def load_on_device(path: str, model_section=None, models: dict | None = None):
+def load_on_device(path: str, model_section=None, models: dict | None = None, mesh=None):
   """(config with the run's runtime fields, params on the device) of a model directory.
 
-  `models`, a dict the caller keeps across calls of one config (bench: all its rows), holds each
-  directory loaded once: bench keeps every row's decode calls until it times them side by side,
-  and a copy per row would not fit at Qwen3-8B."""
+  `mesh` (decode/mesh.py `from_config`; None = the default device): the params are placed in the
+  decode mesh's shardings slice by slice from the host copy (heads, MLP and vocabulary split over
+  its tensor axis, replicated over data), never as a whole copy on each device first. This is the
+  one place where a model meets its mesh. `models`, a dict the caller keeps across calls of one
+  config (bench: all its rows), holds each directory loaded once: bench keeps every row's decode
+  calls until it times them side by side, and a copy per row would not fit at Qwen3-8B."""
   if models is not None and path in models:
     return models[path]
   import jax
+  from dgr2_jax.decode import mesh as dmesh
   from dgr2_jax.model.checkpoint import load_model_dir
   cfg, params = load_model_dir(path)
-  out = cfg.with_runtime(model_section), jax.device_put(params)   # once, not with every decode call
+  # once, not with every decode call
+  params = dmesh.put_params(mesh, params) if mesh is not None else jax.device_put(params)
+  out = cfg.with_runtime(model_section), params
   if models is not None:
     models[path] = out
   return out
 
 
-def speculative_generate(verifier_path: str, model_section=None, models: dict | None = None):
-  """A `generate_fn` (sampler.generate's signature) decoding speculatively with the verifier."""
+def speculative_generate(verifier_path: str, model_section=None, models: dict | None = None, mesh=None):
+  """A `generate_fn` (sampler.generate's signature) decoding speculatively with the verifier, on
+  `mesh` when given (the drafter's params placed on it too: `load_on_device(..., mesh)`)."""
   from dgr2_jax.decode import speculative
-  vcfg, vparams = load_on_device(verifier_path, model_section, models)
+  vcfg, vparams = load_on_device(verifier_path, model_section, models, mesh)
 
   def fn(model_config, params, prompts, dcfg, rng=None, max_prompt_len=None, return_device=False):
     return speculative.generate(model_config, params, vcfg, vparams, prompts, dcfg, rng, max_prompt_len,
-                                return_device=return_device)
+                                return_device=return_device, mesh=mesh)
   return fn
+
+
+def threshold_generate(mesh=None):
+  """`sampler.generate` on `mesh` (None: the default device), with sampler.generate's signature."""
+  import functools
+  return functools.partial(sampler.generate, mesh=mesh) if mesh is not None else sampler.generate

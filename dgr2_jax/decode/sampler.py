@@ -66,6 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dgr2_jax.decode import mesh as dmesh
 from dgr2_jax.decode import sampling
 from dgr2_jax.model import logits as logits_lib
 from dgr2_jax.model import masks, qwen3
@@ -328,7 +329,7 @@ class BlockWindows:
 
 def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids: tuple,
             mask_id: int, kv_write: str, route: str | None, steps_per_sync: int, params, prompt_tokens,
-            prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block=0):
+            prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block=0, *, mesh=None):
   c, bsz = model_config.replace(scan_layers=False), block_size
   params = qwen3.decode_params(c, params)  # per layer, in the compute dtype: once per call
   if prompt_tokens.shape[1] < bsz:  # block 0 needs a previous block of prompt slots (pad slots)
@@ -344,7 +345,7 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
   def run(tokens, start, cache):
     return window_forward(c, params, tokens, start, cache, prompt_len, p, positions, return_hidden=True)
 
-  cache = qwen3.init_cache(c, b, s)
+  cache = dmesh.constrain_cache(mesh, qwen3.init_cache(c, b, s))     # rows over data, kv heads over tensor
   hidden, cache = run(prompt_tokens, 0, cache)
   carry = hidden[:, -1]                                               # [B,E]: predicts index 0 of block 0
 
@@ -423,7 +424,8 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
       nfe=jnp.zeros((b,), jnp.int32), forward_passes=jnp.int32(0), masked_steps=jnp.int32(0))
   if bsz == 1:  # AR step 0 before the loop: the prefill predicted index 0, no forward
     st = body(st, forward=False)
-  st = jax.lax.while_loop(cond, steps, st)
+  pinned = lambda st: dmesh.constrain_state(mesh, st, b)               # the loop state keeps its shardings
+  st = jax.lax.while_loop(cond, lambda st: pinned(steps(st)), pinned(st))
   return dict(tokens=st["canvas"], commit_step=st["commit_step"], logprob=st["logprob"],
               nfe=st["nfe"], eos_pos=st["eos_pos"], steps=st["step"],
               forward_passes=st["forward_passes"], masked_steps=st["masked_steps"])
@@ -432,24 +434,27 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
 @functools.lru_cache(maxsize=32)
 def compiled_decoder(model_config: Qwen3Config, block_size: int, max_new_tokens: int,
                      eos_ids: tuple, mask_id: int, kv_write: str = "auto", route: str | None = None,
-                     steps_per_sync: int = 8):
+                     steps_per_sync: int = 8, mesh=None):
   """One jitted function per static shape/config and sampling route (`sampling_route`; None =
   picked on the device per step); tau, temperature, top-k/p, the key and the step budget are
-  traced."""
+  traced. `mesh` (decode/mesh.py): the loop state is pinned to it (rows over data, the KV cache
+  over tensor); the params and prompts arrive already placed on it."""
   if route is not None and route not in ROUTES:
     raise ValueError(f"sampling route must be one of {ROUTES}, got {route!r}")
   fn = functools.partial(_decode, model_config, block_size, max_new_tokens // block_size,
-                         tuple(eos_ids), mask_id, resolve_kv_write(kv_write), route, int(steps_per_sync))
+                         tuple(eos_ids), mask_id, resolve_kv_write(kv_write), route, int(steps_per_sync),
+                         mesh=mesh)
   return jax.jit(fn)
 
 
-def decoder_for(model_config: Qwen3Config, dc: DecodeConfig):
-  """(the model config it runs, the compiled decoder) for a DecodeConfig. The decoder serves
-  every DecodeConfig with the same static fields and `sampling_route` (run it with `run_decoder`)."""
+def decoder_for(model_config: Qwen3Config, dc: DecodeConfig, mesh=None):
+  """(the model config it runs, the compiled decoder) for a DecodeConfig (on `mesh`, if given). The
+  decoder serves every DecodeConfig with the same static fields and `sampling_route` (run it with
+  `run_decoder`)."""
   model_config = model_for_decoding(model_config, dc)
   mask_id = dc.mask_token_id if dc.mask_token_id is not None else dc.pad_id
   return model_config, compiled_decoder(model_config, dc.block_size, dc.max_new_tokens, tuple(dc.eos_ids),
-                                        mask_id, dc.kv_write, sampling_route(dc), dc.steps_per_sync)
+                                        mask_id, dc.kv_write, sampling_route(dc), dc.steps_per_sync, mesh)
 
 
 def run_decoder(fn, params, prompt_tokens, prompt_len, dc: DecodeConfig, rng=None):
@@ -495,21 +500,27 @@ def output_ids(tokens: np.ndarray, eos_pos: np.ndarray) -> list[list[int]]:
 
 def generate(model_config: Qwen3Config, params, prompts: Sequence[Sequence[int]],
              decode_config: DecodeConfig, rng=None, max_prompt_len: int | None = None,
-             return_device: bool = False) -> dict:
+             return_device: bool = False, mesh=None) -> dict:
   """Decodes a batch of prompts (token-id lists). See the module docstring for the semantics.
 
   Returns numpy arrays: tokens [B,R] (the final canvas, mask id where never committed),
   commit_step [B,R] (-1 = never committed), logprob [B,R], nfe [B], steps [B] (the row's own
   denoising steps), forward_passes, masked_steps (module docstring), and output_ids (per row,
-  truncated after the first EOS, EOS included).
+  truncated after the first EOS, EOS included). `mesh` (decode/mesh.py; `params` placed on it by
+  `mesh.put_params`): the rows are split over its data axis (padded to a multiple of its size, pad
+  rows dropped from the outputs), the model over its tensor axis; the outputs equal one device's.
   """
   dc = decode_config
-  model_config, fn = decoder_for(model_config, dc)
+  model_config, fn = decoder_for(model_config, dc, mesh)
   max_prompt_len = max_prompt_len or max(len(x) for x in prompts)
   tokens, lengths = left_pad(prompts, max_prompt_len, dc.pad_id)
+  n = n_pad = len(tokens)
+  if mesh is not None:
+    (tokens, lengths), n = dmesh.put_rows(mesh, tokens, lengths)
+    n_pad = tokens.shape[0]
   out = run_decoder(fn, params, tokens, lengths, dc, rng)
+  out = dmesh.take_rows(out, n, n_pad, host=not return_device)
   if return_device:
     return out
-  out = jax.tree_util.tree_map(np.asarray, out)
   out["output_ids"] = output_ids(out["tokens"], out["eos_pos"])
   return out

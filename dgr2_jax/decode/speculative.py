@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dgr2_jax.decode import mesh as dmesh
 from dgr2_jax.decode import sampler, sampling
 from dgr2_jax.model import masks, qwen3
 from dgr2_jax.model.config import Qwen3Config
@@ -73,7 +74,8 @@ def check_pair(drafter: Qwen3Config, verifier: Qwen3Config, mask_id: int) -> Non
 
 def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: int, eos_ids: tuple,
             mask_id: int, kv_write: str, sampled: bool, accept_all: bool, route: str | None, steps_per_sync: int,
-            dparams, vparams, prompt_tokens, prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block):
+            dparams, vparams, prompt_tokens, prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block,
+            *, mesh=None):
   bsz = block_size
   if route in ("greedy", "sampled"):
     # The filters are off (top_k 0, top_p 1 at run time too): as constants they let XLA drop the
@@ -101,9 +103,10 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
 
   # Prefills: the drafter over the whole prompt (its last slot predicts index 0), the verifier over
   # all but the last prompt token (pending for the first round).
-  hidden, dcache = sampler.window_forward(dcfg, dparams, prompt_tokens, 0, qwen3.init_cache(dcfg, b, s_d),
+  init = lambda cfg, s: dmesh.constrain_cache(mesh, qwen3.init_cache(cfg, b, s))   # rows / kv heads split
+  hidden, dcache = sampler.window_forward(dcfg, dparams, prompt_tokens, 0, init(dcfg, s_d),
                                           prompt_len, p, pos_d, return_hidden=True)
-  _, vcache = sampler.window_forward(vcfg, vparams, prompt_tokens[:, :p - 1], 0, qwen3.init_cache(vcfg, b, s_v),
+  _, vcache = sampler.window_forward(vcfg, vparams, prompt_tokens[:, :p - 1], 0, init(vcfg, s_v),
                                      prompt_len, p, pos_v, return_hidden=True)
   win = sampler.BlockWindows(dcfg, dparams, prompt_tokens, prompt_len, pos_d, bsz, num_blocks, kv_write)
 
@@ -269,7 +272,8 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
       round_accepts=jnp.full((b, r), -1, jnp.int32))
   if sampled:
     st["qlp"] = jnp.zeros((b, bsz, dcfg.vocab_size), jnp.float32)
-  st = jax.lax.while_loop(cond, steps, st)
+  pinned = lambda st: dmesh.constrain_state(mesh, st, b)               # the loop state keeps its shardings
+  st = jax.lax.while_loop(cond, lambda st: pinned(steps(st)), pinned(st))
   # nfe / commit_step / steps: the threshold decoder's names, so eval and generate read either
   # (NFE = the row's drafter + verifier forwards after the prefills; a round is its step).
   return dict(tokens=st["canvas"][:, :r], logprob=st["logprob"], commit_round=st["commit_round"],
@@ -291,19 +295,20 @@ def _to_vocab(lp, v):
 @functools.lru_cache(maxsize=16)
 def compiled_speculative(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, max_new_tokens: int,
                          eos_ids: tuple, mask_id: int, kv_write: str, sampled: bool, accept_all: bool = False,
-                         route: str | None = None, steps_per_sync: int = 8):
+                         route: str | None = None, steps_per_sync: int = 8, mesh=None):
   """One jit per static shape/config (threshold, budget, temperature, top-k/p and key are traced).
   `accept_all` (tests only) keeps every draft: it samples the drafter, not the verifier. `route`:
-  the greedy rounds' `sampler.choose` route (`sampler.sampling_route`; None = picked on device)."""
+  the greedy rounds' `sampler.choose` route (`sampler.sampling_route`; None = picked on device).
+  `mesh`: see `sampler.compiled_decoder`."""
   fn = functools.partial(_decode, dcfg, vcfg, block_size, max_new_tokens // block_size, tuple(eos_ids), mask_id,
                          sampler.resolve_kv_write(kv_write), bool(sampled), bool(accept_all), route,
-                         int(steps_per_sync))
+                         int(steps_per_sync), mesh=mesh)
   return jax.jit(fn)
 
 
 def decoder_for(drafter_config: Qwen3Config, verifier_config: Qwen3Config, dc: sampler.DecodeConfig,
-                accept_all: bool = False):
-  """The compiled speculative decoder for a drafter/verifier pair and a DecodeConfig."""
+                accept_all: bool = False, mesh=None):
+  """The compiled speculative decoder for a drafter/verifier pair and a DecodeConfig (on `mesh`)."""
   if dc.block_size < 2:
     raise ValueError(f"decode.mode='speculative' needs a drafter block size >= 2, got {dc.block_size}")
   if dc.mask_token_id is None:
@@ -312,22 +317,29 @@ def decoder_for(drafter_config: Qwen3Config, verifier_config: Qwen3Config, dc: s
   vcfg = verifier_config.as_block_diffusion(1).replace(attention_impl=drafter_config.attention_impl)
   check_pair(dcfg, vcfg, dc.mask_token_id)
   return compiled_speculative(dcfg, vcfg, dc.block_size, dc.max_new_tokens, tuple(dc.eos_ids), dc.mask_token_id,
-                              dc.kv_write, dc.temperature > 0, accept_all, sampler.sampling_route(dc), dc.steps_per_sync)
+                              dc.kv_write, dc.temperature > 0, accept_all, sampler.sampling_route(dc), dc.steps_per_sync,
+                              mesh)
 
 
 def generate(drafter_config: Qwen3Config, drafter_params, verifier_config: Qwen3Config, verifier_params,
              prompts: Sequence[Sequence[int]], decode_config: sampler.DecodeConfig, rng=None,
-             max_prompt_len: int | None = None, return_device: bool = False, accept_all: bool = False) -> dict:
-  """Speculative decoding of a batch of prompts (module docstring); numpy outputs + output_ids."""
+             max_prompt_len: int | None = None, return_device: bool = False, accept_all: bool = False,
+             mesh=None) -> dict:
+  """Speculative decoding of a batch of prompts (module docstring); numpy outputs + output_ids.
+  `mesh`: as in `sampler.generate` (both models' params placed on it)."""
   dc = decode_config
-  fn = decoder_for(drafter_config, verifier_config, dc, accept_all)
+  fn = decoder_for(drafter_config, verifier_config, dc, accept_all, mesh)
   max_prompt_len = max_prompt_len or max(len(x) for x in prompts)
   tokens, lengths = sampler.left_pad(prompts, max_prompt_len, dc.pad_id)
+  n = n_pad = len(tokens)
+  if mesh is not None:
+    (tokens, lengths), n = dmesh.put_rows(mesh, tokens, lengths)
+    n_pad = tokens.shape[0]
   rng = np.zeros((2,), np.uint32) if rng is None else rng
   out = fn(drafter_params, verifier_params, tokens, lengths, np.float32(dc.threshold), np.float32(dc.temperature),
            np.int32(dc.top_k), np.float32(dc.top_p), rng, np.int32(dc.steps_per_block))
+  out = dmesh.take_rows(out, n, n_pad, host=not return_device)
   if return_device:
     return out
-  out = jax.tree_util.tree_map(np.asarray, out)
   out["output_ids"] = sampler.output_ids(out["tokens"], out["eos_pos"])
   return out

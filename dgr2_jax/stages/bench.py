@@ -8,7 +8,9 @@ batch, the throughput regime) the rows are, all in one process on one machine:
     pipeline) at every block size in `bench.block_sizes` and tau in `bench.thresholds`;
   * `speculative` (`bench.speculative`): that diffusion model drafting at each tau, the AR teacher
     verifying (decode/speculative.py): its metrics equal the AR row's, its speed is the question.
-Each row decodes the eval split through the eval stage (same prompts, parser and metrics).
+Each row decodes the eval split through the eval stage (same prompts, parser and metrics), on the
+decode mesh (`config.decode.mesh`: rows over data, the model over tensor); every row and the
+results' header name the devices it ran on (`devices`, e.g. '8 x gpu (data 1, tensor 8)').
 
 Throughput = generated tokens / decode seconds, where generated tokens are the committed output
 tokens up to and including EOS of every row of every decoded batch (the padding rows of the last
@@ -104,9 +106,11 @@ def measure(config, workdir: str, model_dir: str, block_size: int, threshold: fl
   threshold, batch_size) -> (row without its timing, the TimedGenerate that decoded it; `timing`
   fills the row in once its timer's `seconds` are known). `models`: one dict for all rows of a
   run, so their kept decode calls share one loaded copy of each model (`decode.runtime.load_on_device`)."""
+  from dgr2_jax.decode import mesh as dmesh
   from dgr2_jax.decode import runtime
   from dgr2_jax.stages import eval as eval_stage
   bc = config.bench
+  mesh = dmesh.from_config(config)   # the eval stage decodes on the same mesh
   c = config.copy_and_resolve_references()
   with c.unlocked():
     c.stage = "eval"
@@ -121,8 +125,8 @@ def measure(config, workdir: str, model_dir: str, block_size: int, threshold: fl
     c.decode.mode = decoder
     c.decode.verifier_dir = verifier_dir
   if generate_fn is None:
-    generate_fn = TimedGenerate(runtime.speculative_generate(verifier_dir, config.get("model"), models)
-                                if decoder == "speculative" else None)
+    generate_fn = TimedGenerate(runtime.speculative_generate(verifier_dir, config.get("model"), models, mesh)
+                                if decoder == "speculative" else runtime.threshold_generate(mesh))
   timed = generate_fn
   path = eval_stage.run(c, workdir, generate_fn=timed, models=models)
   with open(os.path.join(path, "metrics.json")) as f:
@@ -134,7 +138,8 @@ def measure(config, workdir: str, model_dir: str, block_size: int, threshold: fl
          "ndcg@3": m.get("ndcg@3"), "valid_rate": m["valid_rate"], "nfe_per_seq": m["mean_nfe"],
          "tokens_per_seq": timed.tokens / seqs,
          "forward_passes_per_batch": timed.forward_passes / max(timed.batches, 1),
-         "batches": timed.batches, "n": m["n"], "model_dir": model_dir, "split": c.eval.split}
+         "batches": timed.batches, "n": m["n"], "model_dir": model_dir, "split": c.eval.split,
+         "devices": dmesh.describe(mesh)}
   st = getattr(timed, "stats", {})
   if "rounds" in st:
     row.update(drafter_passes_per_seq=st["drafter_passes"] / seqs, verifier_passes_per_seq=st["rounds"] / seqs,
@@ -167,6 +172,7 @@ def add_speedups(rows: list[dict]) -> list[dict]:
 
 def run(config, workdir: str) -> dict:
   from dgr2_jax import results
+  from dgr2_jax.decode import mesh as dmesh
   from dgr2_jax.stages import pipeline
   from dgr2_jax.stages import traces as traces_stage
   bc = config.bench
@@ -187,7 +193,8 @@ def run(config, workdir: str) -> dict:
   batch_sizes = [int(b) or int(bc.batch_size or config.eval.batch_size) for b in bc.get("batch_sizes", (0,))]
   chash = common.config_hash(bc, config.eval, config.task, config.decode, config.get("seed", 0),
                              traces_stage.upstream_hashes(workdir),
-                             [common.model_hash(p) for p in need])
+                             [common.model_hash(p) for p in need],
+                             dmesh.describe(dmesh.from_config(config)))   # timings are the devices'
   out = common.stage_dir(workdir, STAGE)
   if common.is_fresh(out, chash):
     with open(os.path.join(out, "frontier.json")) as f:
@@ -222,6 +229,7 @@ def run(config, workdir: str) -> dict:
               f"{r['tokens_per_s']:.1f} tok/s", flush=True)
     add_speedups(rows)
     obj = results.write_frontier(os.path.join(workdir, "results"), rows,
-                                 results.meta(chash, bench=common.to_plain(bc)))
+                                 results.meta(chash, bench=common.to_plain(bc),
+                                              devices=dmesh.describe(dmesh.from_config(config))))
     common.write_json_atomic(os.path.join(tmp, "frontier.json"), obj)
   return obj

@@ -12,6 +12,8 @@ parses every output (invalid => the retriever's order, counted as a fallback) an
 - `metrics.json`: recall@1, recall@3, ndcg@3, valid_rate, duplicate_rate, omission_rate,
   out_of_set_rate, unparseable_rate, fallback_rate, mean_nfe, mean_reasoning_tokens, n, plus
   the pre-rank floor of the same examples and the settings used.
+The batches decode on the decode mesh (`config.decode.mesh`, decode/mesh.py): each batch's rows
+split over its data axis, the model over its tensor axis; the outputs are one device's.
 The tokenizer is the model directory's when it has one, else the traces stage's.
 `decode.mode='speculative'`: the model drafts and `decode.verifier_dir` (default the workdir's AR
 teacher) verifies (decode/speculative.py); per example also `rounds` and `accepted`, and the
@@ -26,6 +28,7 @@ import os
 import numpy as np
 import tqdm
 
+from dgr2_jax.decode import mesh as dmesh
 from dgr2_jax.decode import runtime
 from dgr2_jax.stages import common
 from dgr2_jax.stages import traces as traces_stage
@@ -93,13 +96,14 @@ def run(config, workdir: str, generate_fn=None, models: dict | None = None) -> s
   prompts = [pipeline_lib.encode_prompt(tokenizer, ex, d["items"], sids, tc)[0]
              for ex in examples]
   model_config = params = None
+  mesh = dmesh.from_config(config)   # rows over data, the model over tensor (None: one device)
   if ec.model_dir:
-    model_config, params = runtime.load_on_device(ec.model_dir, config.get("model"), models)
+    model_config, params = runtime.load_on_device(ec.model_dir, config.get("model"), models, mesh)
   if generate_fn is None:
     if verifier:
-      generate_fn = runtime.speculative_generate(verifier, config.get("model"), models)
+      generate_fn = runtime.speculative_generate(verifier, config.get("model"), models, mesh)
     else:
-      from dgr2_jax.decode.sampler import generate as generate_fn
+      generate_fn = runtime.threshold_generate(mesh)
   dcfg = runtime.decode_config(config, tids, model_config)
   import jax
   rng = jax.random.PRNGKey(int(config.get("seed", 0)))

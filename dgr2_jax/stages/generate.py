@@ -20,6 +20,8 @@ fly (same weights, block-causal attention); that needs a mask token (model confi
 tokenizer's `<|mask|>`). `decode.mode='speculative'` drafts with `model_dir` and verifies with
 `decode.verifier_dir` (an AR model with the same tokenizer): the output is the verifier's.
 The DecodeConfig comes from `config.decode` as in every stage (`sampler.decode_config_from`).
+Decoding runs on the decode mesh (`config.decode.mesh`, decode/mesh.py): each batch's rows over its
+data axis, the model over its tensor axis (`decode.mesh.tensor=8`: an 8B model across 8 GPUs).
 """
 
 from __future__ import annotations
@@ -115,13 +117,16 @@ def prompt_slots(prompts, max_prompt_len: int) -> int:
 
 
 def generate_all(model_config, params, prompts, dcfg, batch_size: int, max_prompt_len: int,
-                 seed: int = 0, progress: bool = True, generate_fn=None) -> list[dict]:
+                 seed: int = 0, progress: bool = True, generate_fn=None, mesh=None) -> list[dict]:
   """Decodes `prompts` in static batches; one record per prompt, in order. `generate_fn`:
-  `sampler.generate` (default) or the speculative one (`eval.speculative_generate`)."""
+  `sampler.generate` on `mesh` (default) or the speculative one (`runtime.speculative_generate`,
+  given the same mesh). `mesh` (decode/mesh.py; None = the default device): each batch's rows
+  over its data axis, the model over its tensor axis."""
   import jax
-  from dgr2_jax.decode import sampler
-  generate_fn = generate_fn or sampler.generate
-  params = jax.device_put(params)
+  from dgr2_jax.decode import mesh as dmesh
+  from dgr2_jax.decode import runtime
+  generate_fn = generate_fn or runtime.threshold_generate(mesh)
+  params = dmesh.put_params(mesh, params) if mesh is not None else jax.device_put(params)
   rng = jax.random.PRNGKey(seed)
   recs = []
   it = range(0, len(prompts), batch_size)
@@ -166,6 +171,8 @@ def run(config, workdir: str | None = None) -> str:
   if not config.output:
     raise ValueError("config.output is required for config.stage='generate'")
   checkpoint.detect_format(config.model_dir)  # fails early, before reading the prompts
+  from dgr2_jax.decode import mesh as dmesh
+  mesh = dmesh.from_config(config)             # so does a decode.mesh that does not fit the devices
   tokenizer = None
   if checkpoint.has_tokenizer(config.model_dir):
     from dgr2_jax.task import tokenizer as tok_lib
@@ -187,12 +194,12 @@ def run(config, workdir: str | None = None) -> str:
       raise ValueError("config.decode.verifier_dir is required with decode.mode='speculative' (the AR model "
                        "that verifies the drafts of config.model_dir)")
     models = {}   # the verifier is read once, for the pair check and for decoding
-    vcfg = runtime.load_on_device(d.verifier_dir, None, models)[0]
+    vcfg = runtime.load_on_device(d.verifier_dir, None, models, mesh)[0]
     from dgr2_jax.decode import speculative
     speculative.check_pair(model_config, vcfg, dcfg.mask_token_id)
-    generate_fn = runtime.speculative_generate(d.verifier_dir, None, models)
+    generate_fn = runtime.speculative_generate(d.verifier_dir, None, models, mesh)
   recs = generate_all(model_config, params, prompts, dcfg, int(config.batch_size), slots,
-                      int(config.get("seed", 0)), generate_fn=generate_fn)
+                      int(config.get("seed", 0)), generate_fn=generate_fn, mesh=mesh)
   for r in recs:
     r["text"] = (tokenizer.decode(r["output_ids"], skip_special_tokens=False)
                  if tokenizer is not None else None)

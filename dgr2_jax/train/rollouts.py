@@ -57,7 +57,9 @@ def sample(model_config, params, prompt_ids, prompt_len, decode_config: sampler.
   within max_new_tokens), loss_mask (committed and at or before the first EOS), and output_ids.
   """
   dc = decode_config
-  _, fn = sampler.decoder_for(model_config, dc)
+  # The decoder pins its loop state to the training mesh: rows over (data, fsdp), the KV cache over
+  # tensor, as the params' train shardings split the heads, MLP and vocabulary (decode/mesh.py).
+  _, fn = sampler.decoder_for(model_config, dc, None if batch_sharding is None else batch_sharding.mesh)
   prompt_ids = np.repeat(np.asarray(prompt_ids, np.int32), group_size, axis=0)
   prompt_len = np.repeat(np.asarray(prompt_len, np.int32), group_size, axis=0)
   rows = len(prompt_ids)
