@@ -74,8 +74,8 @@ def run(config, workdir: str) -> str:
   n = len(arrays["prompt_ids"])
   tconfig = stage_train_config(config, cc, n)
   logging.info("cft: %d examples, %d steps, block size %d", n, tconfig.train.total_steps, bs)
-  batch_iter = pipeline.make_iterator(arrays, int(tconfig.train.batch_size) // jax.process_count(),
-                                      seed=int(config.seed))
+  batch_iter = pipeline.make_iterator(arrays, int(tconfig.train.batch_size), seed=int(config.seed),
+                                      field="train.batch_size")
   kw = dict(block_size=bs, mask_id=int(mask_id), eps=float(cc.eps), weighting=str(cc.loss_weighting),
             reasoning_weight=float(cc.reasoning_weight), answer_weight=float(cc.answer_weight),
             complementary=bool(cc.complementary_mask))

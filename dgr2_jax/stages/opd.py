@@ -122,7 +122,7 @@ def prompt_iterator(prompts: dict, prompts_per_step: int, seed: int):
   n = len(prompts["prompt_ids"])
   if n < prompts_per_step:
     raise ValueError(f"prompts_per_step ({prompts_per_step}) is more than the {n} train prompts")
-  return pipeline.make_iterator(prompts, prompts_per_step // jax.process_count(), seed=seed)
+  return pipeline.make_iterator(prompts, prompts_per_step, seed=seed, field="prompts_per_step")
 
 
 def teacher_model_dir(config, oc, workdir: str) -> str:

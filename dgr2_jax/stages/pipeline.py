@@ -17,6 +17,7 @@ wall-clock in this run goes to `workdir/results/stage_times.json`.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -46,7 +47,9 @@ STAGES = {
     "generate": "dgr2_jax.stages.generate",
     "pipeline": "dgr2_jax.stages.pipeline",
 }
-NO_WORKDIR = ("generate",)  # stages that read/write only explicit paths
+NO_WORKDIR = ("generate",)
+# Stages that compute on the host alone: with several processes, process 0 runs them.
+HOST_STAGES = ("data", "sids", "retriever", "traces", "convert")  # stages that read/write only explicit paths
 # Ladder method name of each diffusion training stage (prefixed by the earlier ones present).
 _TRAINED = ("cft", "opd", "rl")
 
@@ -72,6 +75,8 @@ def stage_fn(name: str):
       raise NotImplementedError(f"stage {name!r} is not available: module {STAGES[name]} does not "
                                 "exist in this checkout") from None
     raise
+  if name in HOST_STAGES:  # several processes: process 0 builds, the others wait and read
+    return functools.partial(common.run_host_stage, name, module.run)
   return module.run
 
 

@@ -20,6 +20,7 @@ import shutil
 
 import jax
 
+from dgr2_jax import multihost
 from dgr2_jax.stages import common
 
 STAGE = "sft"
@@ -54,12 +55,14 @@ def prepare_train_dir(out: str, chash: str) -> str:
   """
   train_dir = os.path.join(out, "train")
   stamp = os.path.join(train_dir, "config_hash")
-  if os.path.exists(out) and (common.read_done(out) is not None
-                              or not os.path.exists(stamp) or open(stamp).read().strip() != chash):
-    shutil.rmtree(out)
-  os.makedirs(train_dir, exist_ok=True)
-  with open(stamp, "w") as f:
-    f.write(chash)
+  if common.is_writer():  # several processes: process 0 decides and prepares, the others wait
+    if os.path.exists(out) and (common.read_done(out) is not None
+                                or not os.path.exists(stamp) or open(stamp).read().strip() != chash):
+      shutil.rmtree(out)
+    os.makedirs(train_dir, exist_ok=True)
+    with open(stamp, "w") as f:
+      f.write(chash)
+  multihost.barrier("prepare_train_dir")
   return train_dir
 
 
@@ -87,8 +90,8 @@ def run(config, workdir: str) -> str:
   if epochs > 0:
     with tc.unlocked():
       tc.total_steps = max(1, epochs * n // int(tc.batch_size))
-  local_batch = int(tc.batch_size) // jax.process_count()
-  batch_iter = pipeline.make_iterator(arrays, local_batch, seed=int(config.seed))
+  batch_iter = pipeline.make_iterator(arrays, int(tc.batch_size), seed=int(config.seed),
+                                      field="train.batch_size")
 
   mc, params = model_from_config(config.model, vocab_size=len(tokenizer),
                                  pad_id=tokenizer.pad_token_id, eos_id=tokenizer.convert_tokens_to_ids(tok_lib.IM_END))

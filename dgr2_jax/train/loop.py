@@ -16,7 +16,9 @@ Train state: the plain dict {"params", "opt_state", "step" (int32), "rng" (uint3
 the per-step key is `fold_in(rng, step)`, so it needs no updating and resumes exactly.
 `train_step(state, batch) -> (state, metrics)` is jitted with explicit in/out shardings and the
 state donated. Resuming is automatic: `train` restores the latest checkpoint under
-`<workdir>/checkpoints` if there is one and continues to `train.total_steps`.
+`<workdir>/checkpoints` if there is one and continues to `train.total_steps`. With several
+processes each process's iterator state is saved (`checkpoint.gather_data_state`) and a resume
+under another process count is refused.
 A non-finite loss stops the run with FloatingPointError naming the step; nothing is saved for that
 step, so the last good checkpoint stays the latest.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from typing import Any, Callable, Iterable
 
@@ -165,7 +168,6 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
   and `<workdir>/tensorboard`. Resumes from the latest checkpoint in `workdir` when present.
   Returns the final train-state dict (sharded jax arrays).
   """
-  mesh_lib.maybe_initialize_distributed()
   tc = config.train
   total = int(tc.total_steps)
   gb, k = int(tc.batch_size), int(tc.grad_accum_steps)
@@ -176,6 +178,8 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
   if tc.param_dtype not in _DTYPES:
     raise ValueError(f"train.param_dtype must be one of {sorted(_DTYPES)}, got {tc.param_dtype!r}")
   master_dtype = _DTYPES[tc.param_dtype]
+  if mesh is None:
+    mesh_lib.check_batch_size(gb, tc.mesh, jax.device_count(), jax.process_count(), grad_accum_steps=k)
   mesh = mesh if mesh is not None else mesh_lib.make_mesh(tc.mesh)
   rules = tuple(tc.logical_axis_rules)
   optimizer, schedule = optim.make_optimizer(tc.optimizer, total)
@@ -194,6 +198,7 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
   start = manager.latest_step()
   if start is not None:
     state, data_state = ckpt_lib.restore(manager, start, ckpt_lib.abstract_like(shapes, shardings))
+    data_state = ckpt_lib.process_data_state(data_state, os.path.join(manager.directory, str(start)))
     if data_state:
       if not hasattr(it, "set_state"):
         raise ValueError(f"checkpoint step {start} in {workdir} holds a data-iterator state but the "
@@ -231,7 +236,7 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
         t0, t_steps = time.perf_counter(), 0
       writer.bar(s, m)
       if s % ckpt_every == 0 or s == total:
-        ckpt_lib.save(manager, s, state, iter_state(it))
+        ckpt_lib.save(manager, s, state, ckpt_lib.gather_data_state(iter_state(it)))
         last_saved = s
     manager.wait_until_finished()
   finally:

@@ -27,6 +27,7 @@ The rollout key of step s is `fold_in(PRNGKey(seed + 1), s)`, so a resumed run r
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Callable
 
@@ -133,7 +134,6 @@ def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
   the number of ROWS `make_batch` returns (prompts per step * rollouts per prompt). `frozen` (e.g.
   the teacher's params) is placed once with its parameter shardings and passed to every step as
   `loss_fn(params, batch, rng, frozen)`; it is neither trained nor checkpointed."""
-  mesh_lib.maybe_initialize_distributed()
   tc = config.train
   total, gb, k = int(tc.total_steps), int(tc.batch_size), int(tc.grad_accum_steps)
   if total <= 0:
@@ -153,6 +153,7 @@ def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
   start = manager.latest_step()
   if start is not None:
     state, data_state = ckpt_lib.restore(manager, start, ckpt_lib.abstract_like(shapes, shardings))
+    data_state = ckpt_lib.process_data_state(data_state, os.path.join(manager.directory, str(start)))
     if data_state and hasattr(prompt_iter, "set_state"):
       prompt_iter.set_state(data_state)
     logging.info("%s: resumed from step %d in %s", desc, start, workdir)
@@ -190,7 +191,7 @@ def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
       writer.write(s, m)
       writer.bar(s, m)
       if s % ckpt_every == 0 or s == total:
-        ckpt_lib.save(manager, s, state, loop.iter_state(prompt_iter))
+        ckpt_lib.save(manager, s, state, ckpt_lib.gather_data_state(loop.iter_state(prompt_iter)))
         last_saved = s
     manager.wait_until_finished()
   finally:
