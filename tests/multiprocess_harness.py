@@ -1,4 +1,5 @@
-"""Multi-process test harness: N CPU processes on this machine through launch/local_multi_process.sh.
+"""Multi-process test harness: N CPU processes on this machine through launch/local_multi_process.sh
+(not named `multiprocess`: that is a PyPI package `datasets` imports).
 
 `launch(n, k, argv)` runs `argv` as n processes with k CPU devices each (the launch script sets
 JAX_COORDINATOR_ADDRESS on a free port, JAX_NUM_PROCESSES, JAX_PROCESS_ID, XLA_FLAGS and
