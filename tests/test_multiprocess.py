@@ -79,3 +79,48 @@ def test_resume_under_another_process_count_refused(runs):
   lines = [l for l in (res.stdout + res.stderr).splitlines() if "was written by 2 process(es)" in l]
   assert lines, res.stderr[-3000:]
   assert "this run has 1" in lines[-1] and "checkpoints/2" in lines[-1], lines[-1]
+
+
+def test_launch_variables():
+  from dgr2_jax import multihost
+  kw = multihost.launch_kwargs
+  assert kw({}) is None
+  # A lone python inside a multi-task SLURM allocation (no srun step of several tasks): one process.
+  assert kw({"SLURM_NTASKS": "8", "SLURM_JOB_ID": "1"}) is None
+  assert kw({"SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "1"}) is None
+  assert kw({"SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8"}) == {}
+  assert kw({"TPU_WORKER_HOSTNAMES": "a"}) is None and kw({"TPU_WORKER_HOSTNAMES": "a,b"}) == {}
+  env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+  assert kw(env) == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 3}
+  assert kw({**env, "JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "0"}) is None
+  with pytest.raises(ValueError, match="JAX_PROCESS_ID"):
+    kw({k: v for k, v in env.items() if k != "JAX_PROCESS_ID"})
+  with pytest.raises(ValueError, match="0 <= id < count"):
+    kw({**env, "JAX_PROCESS_ID": "4"})
+
+
+def test_batch_sizes_checked():
+  import ml_collections
+  from dgr2_jax.train import mesh as mesh_lib
+  m = ml_collections.ConfigDict({"data": -1, "fsdp": 2, "tensor": 1})
+  mesh_lib.check_batch_size(8, m, 4, 2)
+  with pytest.raises(ValueError, match=r"^train.batch_size \(6\) must be divisible by the process count \(4\)$"):
+    mesh_lib.check_batch_size(6, m, 8, 4)
+  with pytest.raises(ValueError, match=r"train.mesh data x fsdp \(2 x 2 = 4 on 4 devices\)"):
+    mesh_lib.check_batch_size(6, m, 4, 2)
+  with pytest.raises(ValueError, match=r"train.grad_accum_steps \(4\)"):
+    mesh_lib.check_batch_size(8, m, 8, 1, grad_accum_steps=2)
+
+
+def test_data_order_independent_of_process_count():
+  from dgr2_jax.task import pipeline
+  arrays = {"x": np.arange(30)}
+  one = [next(it)["x"] for it in [pipeline.make_iterator(arrays, 8, seed=3)] for _ in range(6)]
+  for count in (2, 4):
+    its = [pipeline.make_iterator(arrays, 8, seed=3, process=(i, count)) for i in range(count)]
+    for step in range(6):
+      parts = [next(it)["x"] for it in its]
+      assert all(len(p) == 8 // count for p in parts)
+      np.testing.assert_array_equal(np.concatenate(parts), one[step])
+  with pytest.raises(ValueError, match=r"^prompts_per_step \(8\) must be divisible by the process count \(3\)$"):
+    pipeline.make_iterator(arrays, 8, seed=3, process=(0, 3), field="prompts_per_step")
