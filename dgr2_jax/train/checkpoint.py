@@ -42,10 +42,13 @@ def latest_step(manager: ocp.CheckpointManager) -> int | None:
 
 
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state=None):
-  """-> (state placed with the shardings of `abstract_state` (None: as saved), data-iterator state)."""
+  """-> (state placed with the shardings of `abstract_state` (None: as saved), this process's
+  data-iterator state ({} when none was saved)). ValueError (one line naming both counts) when
+  the checkpoint was written by another number of processes."""
   out = manager.restore(int(step), args=ocp.args.Composite(
       state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-  return out["state"], dict(out["data"] or {})
+  where = os.path.join(str(manager.directory), str(int(step)))
+  return out["state"], process_data_state(dict(out["data"] or {}), where) or {}
 
 
 def abstract_like(tree, shardings):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from typing import Any, Callable, Iterable
 
@@ -198,7 +197,6 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
   start = manager.latest_step()
   if start is not None:
     state, data_state = ckpt_lib.restore(manager, start, ckpt_lib.abstract_like(shapes, shardings))
-    data_state = ckpt_lib.process_data_state(data_state, os.path.join(manager.directory, str(start)))
     if data_state:
       if not hasattr(it, "set_state"):
         raise ValueError(f"checkpoint step {start} in {workdir} holds a data-iterator state but the "

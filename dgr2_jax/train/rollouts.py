@@ -27,7 +27,6 @@ The rollout key of step s is `fold_in(PRNGKey(seed + 1), s)`, so a resumed run r
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Callable
 
@@ -192,7 +191,6 @@ def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
   start = manager.latest_step()
   if start is not None:
     state, data_state = ckpt_lib.restore(manager, start, ckpt_lib.abstract_like(shapes, shardings))
-    data_state = ckpt_lib.process_data_state(data_state, os.path.join(manager.directory, str(start)))
     if data_state and hasattr(prompt_iter, "set_state"):
       prompt_iter.set_state(data_state)
     logging.info("%s: resumed from step %d in %s", desc, start, workdir)
