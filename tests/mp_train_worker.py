@@ -1,6 +1,7 @@
 """One process of the multi-process training check (tests/test_multiprocess.py): a tiny Qwen3
 trained with the shared loop on a fixed synthetic split, mesh data x fsdp from the arguments, then
-saved as a model directory and read back. Process 0 writes `--out` (npz): the per-step losses, the
+saved as a model directory and read back (several processes: straight into the training
+shardings). Process 0 writes `--out` (npz): the per-step losses, the
 final parameters and the model directory's round-trip difference. `--kill_at S` exits (status 3)
 when the batch of step S is requested, after step S-1's checkpoint is committed."""
 
@@ -85,14 +86,20 @@ def main():
   model_dir = os.path.join(args.workdir, "model")
   model_ckpt.save_model_dir(model_dir, mc, state["params"], overwrite=True)
   params = multihost_utils.process_allgather(state["params"], tiled=True)
-  _, loaded = model_ckpt.load_model_dir(model_dir)  # collective (Orbax), like the save
+  # Collective (Orbax), like the save; several processes: straight into the training shardings.
+  sh = loop.model_shardings(config)
+  _, loaded = model_ckpt.load_model_dir(model_dir, shardings=sh)
+  loaded_spans = any(isinstance(x, jax.Array) and not x.is_fully_addressable
+                     for x in jax.tree_util.tree_leaves(loaded))
+  if sh is not None:
+    loaded = multihost_utils.process_allgather(loaded, tiled=True)
   if multihost.is_writer() and args.out:
     flat = {k: np.asarray(v) for k, v in model_ckpt.flatten(params).items()}
     diff = max(float(np.max(np.abs(np.asarray(a, np.float32) - flat[k])))
                for k, a in model_ckpt.flatten(loaded).items())
     with open(os.path.join(train_dir, "metrics.jsonl")) as f:
       loss = [json.loads(line)["loss"] for line in f if line.strip()]
-    np.savez(args.out, loss=np.asarray(loss), roundtrip=diff, spans=spans,
+    np.savez(args.out, loss=np.asarray(loss), roundtrip=diff, spans=spans, loaded_spans=loaded_spans,
              processes=jax.process_count(), **{"param/" + k: v for k, v in flat.items()})
     print(f"mp_train_worker: {jax.process_count()} process(es) x {jax.local_device_count()} devices, "
           f"loss {loss}", flush=True)

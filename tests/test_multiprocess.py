@@ -71,6 +71,7 @@ def test_kill_and_resume_is_exact(runs):
 def test_model_dir_round_trip(runs):
   for name in ("1x4", "2x2"):
     assert float(runs[name]["roundtrip"]) == 0.0, name
+  assert bool(runs["2x2"]["loaded_spans"]), "2 processes: the model dir is read into shardings spanning both"
 
 
 def test_resume_under_another_process_count_refused(runs):

@@ -414,8 +414,10 @@ def _validate_ours(path: str, config: Qwen3Config, meta) -> None:
     raise ValueError(f"{path}: unexpected parameter {extra[0]} not used by the Qwen3 config")
 
 
-def _restore(path: str, paths: list[str] | None, dtype=None) -> dict:
-  """Restores the listed parameters (all when None) as numpy arrays (nested dict)."""
+def _restore(path: str, paths: list[str] | None, dtype=None, shardings: dict | None = None) -> dict:
+  """Restores the listed parameters (all when None) as numpy arrays (nested dict); with
+  `shardings` ({path: Sharding}) as jax arrays read straight into those shardings (each process
+  reads only its shards)."""
   import orbax.checkpoint as ocp
   pdir = os.path.join(path, PARAMS_DIR)
   args = ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
@@ -424,29 +426,44 @@ def _restore(path: str, paths: list[str] | None, dtype=None) -> dict:
     item = None
   else:
     item = unflatten({p: 0 for p in paths})
-  restore_args = unflatten({p: args for p in paths})
+  if shardings is not None:
+    import jax
+    restore_args = unflatten({p: ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=shardings[p], dtype=dtype)
+                              for p in paths})
+  else:
+    restore_args = unflatten({p: args for p in paths})
   return _checkpointer().restore(pdir, args=ocp.args.PyTreeRestore(
       item=item, restore_args=restore_args, partial_restore=item is not None))
 
 
-def _load_ours(path: str, dtype=None) -> tuple[Qwen3Config, dict]:
+def _load_ours(path: str, dtype=None, shardings=None) -> tuple[Qwen3Config, dict]:
   config = _config_from_json(path, _read_config_json(path))
   meta = _orbax_meta(path)
   _validate_ours(path, config, meta)
-  params = _restore(path, None, dtype)
+  params = _restore(path, None, dtype, None if shardings is None else flatten(shardings(config)))
   pdt = np.dtype(params["embed_tokens"]["embedding"].dtype)
   return config.replace(param_dtype=_DTYPE_NAMES[pdt]), params
 
 
-def load_model_dir(path: str, dtype=None, progress: bool = False) -> tuple[Qwen3Config, dict]:
+def load_model_dir(path: str, dtype=None, progress: bool = False,
+                   shardings: Callable[[Qwen3Config], dict] | None = None) -> tuple[Qwen3Config, dict]:
   """(config, params) from an HF directory or one of ours. Params are host numpy arrays.
 
   `dtype` (e.g. "float32", jnp.bfloat16) casts every tensor as it is read; by default each keeps
-  the checkpoint's dtype and `config.param_dtype` records the embedding's.
+  the checkpoint's dtype and `config.param_dtype` records the embedding's. `shardings(config)` ->
+  a tree of shardings (per-layer layout): our format is then restored as jax arrays straight into
+  them (every process must call it; each reads only its shards); an HF directory is read on the
+  host and placed.
   """
   fmt = detect_format(path)
   dtype = None if dtype is None else np.dtype(dtype)
-  return _load_hf(path, dtype, progress) if fmt == "hf" else _load_ours(path, dtype)
+  if fmt != "hf":
+    return _load_ours(path, dtype, shardings)
+  config, params = _load_hf(path, dtype, progress)
+  if shardings is not None:
+    import jax
+    params = jax.device_put(params, shardings(config))
+  return config, params
 
 
 def save_model_dir(path: str, config: Qwen3Config, params: dict, tokenizer_src=None,

@@ -61,7 +61,8 @@ def run(config, workdir: str) -> str:
   tok_dir = traces_stage.tokenizer_dir(config, workdir)
   tokenizer = tok_lib.load_tokenizer(tok_dir)
   ids = tok_lib.token_ids(tokenizer)
-  mc, params = model_ckpt.load_model_dir(init_from)
+  # Several processes: read straight into the training shardings (no whole copy per process).
+  mc, params = model_ckpt.load_model_dir(init_from, shardings=loop.model_shardings(config))
   mask_id = mc.mask_token_id if mc.mask_token_id is not None else ids.mask_id
   if mask_id is None:
     raise ValueError(f"cft: no mask token: the tokenizer in {tok_dir} has no <|mask|> and the model config "

@@ -81,7 +81,9 @@ def load_policy(config, model_dir: str):
   attention route, logits chunk: `Qwen3Config.with_runtime`)."""
   from dgr2_jax.model import checkpoint as model_ckpt
   from dgr2_jax.model import qwen3
-  mc, params = model_ckpt.load_model_dir(model_dir)
+  from dgr2_jax.train import loop
+  # Several processes: read straight into the training shardings (no whole copy per process).
+  mc, params = model_ckpt.load_model_dir(model_dir, shardings=loop.model_shardings(config))
   mc = mc.with_runtime(config.get("model"))
   return mc, qwen3.to_layout(mc, params)
 

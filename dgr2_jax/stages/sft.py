@@ -26,13 +26,14 @@ from dgr2_jax.stages import common
 STAGE = "sft"
 
 
-def model_from_config(model_cfg, vocab_size: int | None = None, pad_id=None, eos_id=None):
-  """-> (Qwen3Config, params or `fn(rng) -> params`) from `config.model`."""
+def model_from_config(model_cfg, vocab_size: int | None = None, pad_id=None, eos_id=None, shardings=None):
+  """-> (Qwen3Config, params or `fn(rng) -> params`) from `config.model`; `shardings`: see
+  `checkpoint.load_model_dir` (several processes: `loop.model_shardings(config)`)."""
   from dgr2_jax.model import qwen3
   from dgr2_jax.model.config import Qwen3Config
   if model_cfg.get("init_from", ""):
     from dgr2_jax.model import checkpoint as model_ckpt
-    mc, params = model_ckpt.load_model_dir(model_cfg.init_from)
+    mc, params = model_ckpt.load_model_dir(model_cfg.init_from, shardings=shardings)
     mc = mc.with_runtime(model_cfg)
     return mc, qwen3.to_layout(mc, params)
   fields = {f.name for f in dataclasses.fields(Qwen3Config)}
@@ -94,7 +95,8 @@ def run(config, workdir: str) -> str:
                                       field="train.batch_size")
 
   mc, params = model_from_config(config.model, vocab_size=len(tokenizer),
-                                 pad_id=tokenizer.pad_token_id, eos_id=tokenizer.convert_tokens_to_ids(tok_lib.IM_END))
+                                 pad_id=tokenizer.pad_token_id, eos_id=tokenizer.convert_tokens_to_ids(tok_lib.IM_END),
+                                 shardings=loop.model_shardings(config))
   rw, aw = float(tc.sft.reasoning_weight), float(tc.sft.answer_weight)
 
   def loss_fn(p, batch, rng):

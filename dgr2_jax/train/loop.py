@@ -125,6 +125,22 @@ def state_shardings(param_shapes, optimizer, mesh, rules):
   return shapes, {"params": p_sh, "opt_state": o_sh, "step": rep, "rng": rep}
 
 
+def model_shardings(config):
+  """-> `fn(model_config)`: the shardings of a model directory's parameters (per-layer layout) on
+  `config.train`'s mesh, for `checkpoint.load_model_dir(shardings=...)`; None in a single process
+  (where the host copy is placed by `init_state`)."""
+  if jax.process_count() == 1:
+    return None
+  from dgr2_jax.model import checkpoint as model_ckpt
+
+  def fn(model_config):
+    shapes = model_ckpt.unflatten({p: jax.ShapeDtypeStruct(s, jnp.float32) for p, s in
+                                   model_ckpt.expected_shapes(model_config.replace(scan_layers=False)).items()})
+    return mesh_lib.param_shardings(shapes, mesh_lib.make_mesh(config.train.mesh),
+                                    tuple(config.train.logical_axis_rules))
+  return fn
+
+
 def init_state(params_or_fn, optimizer, shardings, seed: int, master_dtype):
   """Builds the sharded train state; a callable `params_or_fn(rng)` is run under jit straight
   into its shardings (no full host copy of a big model)."""
