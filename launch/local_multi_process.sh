@@ -18,7 +18,8 @@ N=${1:?usage: local_multi_process.sh NUM_PROCESSES DEVICES_PER_PROCESS COMMAND..
 K=${2:?usage: local_multi_process.sh NUM_PROCESSES DEVICES_PER_PROCESS COMMAND...}
 shift 2
 [ $# -gt 0 ] || { echo "local_multi_process.sh: no COMMAND" >&2; exit 2; }
-PORT=${DGR2_PORT:-$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+PY=$(command -v python3 || command -v python)
+PORT=${DGR2_PORT:-$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 read -r -a DELAYS <<< "${DGR2_START_DELAYS:-}"
 pids=()
 for ((i = 0; i < N; i++)); do
