@@ -191,7 +191,8 @@ def distillation(config, oc, task: dict, src: str, teacher_dir: str) -> Distilla
     tparams = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params)
     score = jax.jit(functools.partial(opd.replay_teacher_cache, student_cfg, block_size=bs, top_k=top_k,
                                       mask_id=mask_id))
-  tparams = jax.device_put(tparams)
+  # Host arrays to the device; jax arrays stay (several processes: already in their shardings).
+  tparams = jax.tree_util.tree_map(lambda x: x if isinstance(x, jax.Array) else jax.device_put(x), tparams)
 
   if oc.student_context not in opd.STUDENT_CONTEXTS:
     raise ValueError(f"config.opd.student_context must be one of {opd.STUDENT_CONTEXTS}, got "
