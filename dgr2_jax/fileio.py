@@ -1,7 +1,8 @@
 """Plain data and atomic files: the bottom floor every writer of the package shares.
 
 `to_plain` turns configs into JSON-able Python (for hashes and records); the writers go through a
-temporary file + rename in the same directory, so a reader never sees a partial file.
+temporary file + rename in the same directory, so a reader never sees a partial file. With several
+processes only process 0 writes (`multihost.is_writer`); the others' calls return without writing.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import tempfile
 from typing import Any
 
 import ml_collections
+
+from dgr2_jax import multihost
+from dgr2_jax.multihost import is_writer  # noqa: F401 (re-exported)
 
 
 def to_plain(obj: Any) -> Any:
@@ -27,7 +31,9 @@ def to_plain(obj: Any) -> Any:
 
 
 def write_text_atomic(path: str, text: str) -> None:
-  """Writes text via a temporary file + rename (never a partial file)."""
+  """Writes text via a temporary file + rename (never a partial file); process 0 only."""
+  if not multihost.is_writer():
+    return
   d = os.path.dirname(os.path.abspath(path))
   os.makedirs(d, exist_ok=True)
   fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", dir=d)

@@ -349,9 +349,21 @@ def run(config, workdir: str | None):
   return fn(config, workdir)
 
 
+def start_processes() -> None:
+  """Several processes (dgr2_jax.multihost.launch_kwargs): `jax.distributed.initialize` before any
+  other JAX call, and prints/logs from process 0 only. A single process: nothing."""
+  from dgr2_jax import multihost
+  try:
+    multihost.initialize()
+  except ValueError as e:  # inconsistent launch variables: one line
+    sys.exit(f"dgr2_jax.main: {e}")
+  multihost.quiet_other_processes()
+
+
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
+  start_processes()
   from absl import flags
   quiet_logs(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)
   config = _CONFIG.value

@@ -100,7 +100,9 @@ def write_accuracy(out_dir: str, rows: Sequence[dict], m: dict) -> list:
 
 def plot_frontier(rows: Sequence[dict], path: str) -> None:
   """Recall@1 vs speedup, one line per (decoder, block size, batch size) (AR: the reference point
-  at speedup 1)."""
+  at speedup 1). Process 0 only."""
+  if not fileio.is_writer():
+    return
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt

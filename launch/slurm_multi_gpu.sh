@@ -8,10 +8,14 @@
 # Every task runs exactly:
 #   python -m dgr2_jax.main --config=configs/beauty_qwen3_8b.py --workdir=/scratch/dgr2_8b \
 #       --config.hardware.num_devices=0 [extra overrides...]
-# with SLURM_NTASKS > 1, so dgr2_jax.train.mesh.maybe_initialize_distributed() calls
-# jax.distributed.initialize(), which reads the coordinator, process count and process id from
-# the SLURM environment (SLURM_JOB_NODELIST, SLURM_NTASKS, SLURM_PROCID). The workdir must be
-# on a filesystem every node sees. Plan it first (no GPUs needed):
+# inside an srun step of more than one task (SLURM_STEP_NUM_TASKS > 1), so dgr2_jax.main calls
+# jax.distributed.initialize() first (dgr2_jax.multihost.initialize), which reads the coordinator,
+# process count and process id from SLURM (SLURM_JOB_NODELIST, SLURM_NTASKS, SLURM_PROCID). A lone
+# `python -m dgr2_jax.main` in the batch script (not under srun) runs as one process and does not
+# wait for peers. Process 0 builds data, SIDs, retriever and traces while the others wait, and
+# writes every file; every process trains and saves its shards. --kill-on-bad-exit=1 stops the
+# other tasks when one fails. The workdir must be on a filesystem every node sees (resume with the
+# same number of tasks). Plan it first (no GPUs needed):
 #   python launch/dry_run.py --config=configs/beauty_qwen3_8b.py
 #SBATCH --job-name=dgr2
 #SBATCH --output=dgr2-%j.out

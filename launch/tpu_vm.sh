@@ -8,8 +8,10 @@
 # which runs exactly, on each worker:
 #   python -m dgr2_jax.main --config=configs/beauty_qwen3_8b.py --workdir=WORKDIR \
 #       --config.hardware.num_devices=0 [extra overrides...]
-# Multi-host slices are detected from TPU_WORKER_HOSTNAMES (maybe_initialize_distributed), and
-# jax.devices() spans the slice. Install first: pip install -e . "jax[tpu]==0.10.2".
+# Multi-host slices are detected from TPU_WORKER_HOSTNAMES (several hosts): dgr2_jax.main calls
+# jax.distributed.initialize() before anything else (dgr2_jax.multihost.initialize), and
+# jax.devices() spans the slice. Worker 0 builds the host-side stages and writes every file; all
+# workers train and save their shards. Install first: pip install -e . "jax[tpu]==0.10.2".
 # The workdir must be shared by all workers (a GCS path needs the orbax/etils GCS support).
 set -euo pipefail
 CONFIG=${1:?usage: tpu_vm.sh CONFIG WORKDIR [--config.x=y ...]}

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 import ml_dtypes
 import numpy as np
 
+from dgr2_jax import multihost
 from dgr2_jax.model import qwen3
 from dgr2_jax.model.config import Qwen3Config
 
@@ -161,24 +162,46 @@ def _hf_order(config: Qwen3Config) -> list[tuple[str, str, Callable | None, tupl
 # ---- output directories --------------------------------------------------------------------------
 @contextlib.contextmanager
 def _atomic_output(path: str, overwrite: bool) -> Iterator[str]:
-  """Yields a temporary sibling of `path` that replaces it on success; removed on any failure."""
+  """Yields a temporary sibling of `path` that replaces it on success; removed on any failure.
+
+  Several processes: collective. Process 0 makes the temporary directory and tells the others its
+  name; all write their share (Orbax: each its shards); process 0 publishes once all are done."""
   path = os.path.abspath(path)
+  multi = multihost.is_multi()
+  if not multihost.is_writer():
+    if not multi:
+      raise RuntimeError(f"{path}: process {multihost.process_index()} must not write alone")
+    tmp = multihost.broadcast("atomic_output.tmp")
+    if tmp is None:  # process 0 refused (the output exists); it raises the error
+      raise FileExistsError(f"output directory already exists: {path}")
+    multihost.barrier("atomic_output.open")
+    yield tmp
+    multihost.barrier("atomic_output.written")
+    multihost.barrier("atomic_output.published")
+    return
   if os.path.exists(path) and not overwrite:
+    multihost.broadcast("atomic_output.tmp", None)
     raise FileExistsError(f"output directory already exists: {path} (pass overwrite=True / --overwrite)")
   parent = os.path.dirname(path)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".tmp-", dir=parent)
+  multihost.broadcast("atomic_output.tmp", tmp)
+  multihost.barrier("atomic_output.open")
   try:
     yield tmp
+    multihost.barrier("atomic_output.written")
     if os.path.exists(path):
       shutil.rmtree(path)
     os.replace(tmp, path)
+    multihost.barrier("atomic_output.published")
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
 
 
 def _write_json(path: str, obj) -> None:
+  if not multihost.is_writer():
+    return
   with open(path, "w") as f:
     json.dump(obj, f, indent=2)
     f.write("\n")
@@ -187,7 +210,7 @@ def _write_json(path: str, obj) -> None:
 def _write_tokenizer(out_dir: str, tokenizer_src) -> None:
   """`tokenizer_src`: None, a directory (known tokenizer files are copied), a tokenizer object, or a
   list of those (earlier ones win)."""
-  if tokenizer_src is None:
+  if tokenizer_src is None or not multihost.is_writer():
     return
   if isinstance(tokenizer_src, (list, tuple)):
     for src in tokenizer_src:
@@ -360,9 +383,10 @@ def _save_checkpointer():
   """Saves host numpy arrays in place: Orbax's default deep-copies every host array first (2x the
   weights in memory) and compresses into more buffers; bf16 weights barely compress anyway."""
   import orbax.checkpoint as ocp
+  import jax
   th = ocp.type_handlers
   registry = th.create_type_handler_registry(
-      (np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False)))
+      (np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False)), (jax.Array, th.ArrayHandler()))
   return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry,
                                                       use_compression=False))
 
@@ -390,8 +414,10 @@ def _validate_ours(path: str, config: Qwen3Config, meta) -> None:
     raise ValueError(f"{path}: unexpected parameter {extra[0]} not used by the Qwen3 config")
 
 
-def _restore(path: str, paths: list[str] | None, dtype=None) -> dict:
-  """Restores the listed parameters (all when None) as numpy arrays (nested dict)."""
+def _restore(path: str, paths: list[str] | None, dtype=None, shardings: dict | None = None) -> dict:
+  """Restores the listed parameters (all when None) as numpy arrays (nested dict); with
+  `shardings` ({path: Sharding}) as jax arrays read straight into those shardings (each process
+  reads only its shards)."""
   import orbax.checkpoint as ocp
   pdir = os.path.join(path, PARAMS_DIR)
   args = ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
@@ -400,44 +426,62 @@ def _restore(path: str, paths: list[str] | None, dtype=None) -> dict:
     item = None
   else:
     item = unflatten({p: 0 for p in paths})
-  restore_args = unflatten({p: args for p in paths})
+  if shardings is not None:
+    import jax
+    restore_args = unflatten({p: ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=shardings[p], dtype=dtype)
+                              for p in paths})
+  else:
+    restore_args = unflatten({p: args for p in paths})
   return _checkpointer().restore(pdir, args=ocp.args.PyTreeRestore(
       item=item, restore_args=restore_args, partial_restore=item is not None))
 
 
-def _load_ours(path: str, dtype=None) -> tuple[Qwen3Config, dict]:
+def _load_ours(path: str, dtype=None, shardings=None) -> tuple[Qwen3Config, dict]:
   config = _config_from_json(path, _read_config_json(path))
   meta = _orbax_meta(path)
   _validate_ours(path, config, meta)
-  params = _restore(path, None, dtype)
+  params = _restore(path, None, dtype, None if shardings is None else flatten(shardings(config)))
   pdt = np.dtype(params["embed_tokens"]["embedding"].dtype)
   return config.replace(param_dtype=_DTYPE_NAMES[pdt]), params
 
 
-def load_model_dir(path: str, dtype=None, progress: bool = False) -> tuple[Qwen3Config, dict]:
+def load_model_dir(path: str, dtype=None, progress: bool = False,
+                   shardings: Callable[[Qwen3Config], dict] | None = None) -> tuple[Qwen3Config, dict]:
   """(config, params) from an HF directory or one of ours. Params are host numpy arrays.
 
   `dtype` (e.g. "float32", jnp.bfloat16) casts every tensor as it is read; by default each keeps
-  the checkpoint's dtype and `config.param_dtype` records the embedding's.
+  the checkpoint's dtype and `config.param_dtype` records the embedding's. `shardings(config)` ->
+  a tree of shardings (per-layer layout): our format is then restored as jax arrays straight into
+  them (every process must call it; each reads only its shards); an HF directory is read on the
+  host and placed.
   """
   fmt = detect_format(path)
   dtype = None if dtype is None else np.dtype(dtype)
-  return _load_hf(path, dtype, progress) if fmt == "hf" else _load_ours(path, dtype)
+  if fmt != "hf":
+    return _load_ours(path, dtype, shardings)
+  config, params = _load_hf(path, dtype, progress)
+  if shardings is not None:
+    import jax
+    params = jax.device_put(params, shardings(config))
+  return config, params
 
 
 def save_model_dir(path: str, config: Qwen3Config, params: dict, tokenizer_src=None,
                    overwrite: bool = False) -> str:
   """Writes our format: `params/` (Orbax) + `config.json` (HF form, "dgr2" block) + tokenizer.
 
-  `params`: numpy or (host-fetchable) jax arrays; each keeps its dtype. Stacked layers (scanned
+  `params`: numpy or jax arrays; each keeps its dtype. With several processes every process calls
+  it with the same (global, possibly sharded) arrays and the same path. Stacked layers (scanned
   training, `qwen3.stack_layers`) are written per layer, so every model dir has one layout.
   """
   import orbax.checkpoint as ocp
   params = qwen3.unstack_layers(params)
   config = config.replace(scan_layers=False)
   _check_params(path, config, params)
-  # Host numpy leaves (jax arrays are fetched to host one by one; numpy ones are not copied).
-  params = unflatten({p: np.asarray(a) for p, a in flatten(params).items()})
+  # One process: host numpy leaves (jax arrays are fetched to host one by one; numpy ones are not
+  # copied). Several: the global jax arrays as they are, every process writing its own shards.
+  if not multihost.is_multi():
+    params = unflatten({p: np.asarray(a) for p, a in flatten(params).items()})
   with _atomic_output(path, overwrite) as tmp:
     _save_checkpointer().save(os.path.join(tmp, PARAMS_DIR), args=ocp.args.PyTreeSave(params))
     _write_json(os.path.join(tmp, CONFIG_FILE), config.to_hf_dict())
@@ -528,7 +572,8 @@ def save_hf_dir(path: str, config: Qwen3Config, params: dict, tokenizer_src=None
   flat = flatten(params)
   dtypes = {p: np.dtype(a.dtype) for p, a in flat.items()}
   with _atomic_output(path, overwrite) as tmp:
-    _write_hf(tmp, config, dtypes, lambda p: np.asarray(flat[p]), shard_bytes, progress)
+    if multihost.is_writer():  # several processes: the arrays must be fetchable on process 0
+      _write_hf(tmp, config, dtypes, lambda p: np.asarray(flat[p]), shard_bytes, progress)
     _write_tokenizer(tmp, tokenizer_src)
   return path
 
@@ -640,6 +685,7 @@ def convert_ours_to_hf(in_dir: str, out_dir: str, *, shard_bytes: int = DEFAULT_
     return flatten(_restore(in_dir, [p]))[p]
 
   with _atomic_output(out_dir, overwrite) as tmp:
-    _write_hf(tmp, config, dtypes, get, shard_bytes, progress)
+    if multihost.is_writer():
+      _write_hf(tmp, config, dtypes, get, shard_bytes, progress)
     _write_tokenizer(tmp, in_dir)
   return config

@@ -61,7 +61,8 @@ def run(config, workdir: str) -> str:
   tok_dir = traces_stage.tokenizer_dir(config, workdir)
   tokenizer = tok_lib.load_tokenizer(tok_dir)
   ids = tok_lib.token_ids(tokenizer)
-  mc, params = model_ckpt.load_model_dir(init_from)
+  # Several processes: read straight into the training shardings (no whole copy per process).
+  mc, params = model_ckpt.load_model_dir(init_from, shardings=loop.model_shardings(config))
   mask_id = mc.mask_token_id if mc.mask_token_id is not None else ids.mask_id
   if mask_id is None:
     raise ValueError(f"cft: no mask token: the tokenizer in {tok_dir} has no <|mask|> and the model config "
@@ -74,8 +75,8 @@ def run(config, workdir: str) -> str:
   n = len(arrays["prompt_ids"])
   tconfig = stage_train_config(config, cc, n)
   logging.info("cft: %d examples, %d steps, block size %d", n, tconfig.train.total_steps, bs)
-  batch_iter = pipeline.make_iterator(arrays, int(tconfig.train.batch_size) // jax.process_count(),
-                                      seed=int(config.seed))
+  batch_iter = pipeline.make_iterator(arrays, int(tconfig.train.batch_size), seed=int(config.seed),
+                                      field="train.batch_size")
   kw = dict(block_size=bs, mask_id=int(mask_id), eps=float(cc.eps), weighting=str(cc.loss_weighting),
             reasoning_weight=float(cc.reasoning_weight), answer_weight=float(cc.answer_weight),
             complementary=bool(cc.complementary_mask))

@@ -4,6 +4,10 @@ A stage owns `workdir/<stage>/`. It is *fresh* when `workdir/<stage>/DONE.json` 
 the same config hash the stage would compute now (its own sub-config plus the hashes of the stages
 it reads). Outputs are written to a temporary sibling and renamed into place, so an interrupted
 stage never leaves a half-written directory that looks finished.
+
+Several processes: freshness is decided on process 0 and broadcast; `atomic_dir` is collective
+(one temporary directory, process 0 publishes); host-side stages run on process 0 alone while the
+others wait (`run_host_stage`). See `dgr2_jax.multihost`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import shutil
 import tempfile
 from typing import Any, Iterator
 
-from dgr2_jax.fileio import read_done, to_plain, write_json_atomic, write_text_atomic  # noqa: F401 (re-exported)
+from dgr2_jax import multihost
+from dgr2_jax.fileio import is_writer, read_done, to_plain, write_json_atomic, write_text_atomic  # noqa: F401 (re-exported)
 
 
 def config_hash(*parts: Any) -> str:
@@ -30,33 +35,58 @@ def stage_dir(workdir: str, name: str) -> str:
 
 
 def is_fresh(path: str, chash: str) -> bool:
-  done = read_done(path)
-  return done is not None and done.get("config_hash") == chash
+  """Decided on process 0 and broadcast, so every process skips or runs the stage alike."""
+  done = read_done(path) if multihost.is_writer() or not multihost.is_multi() else None
+  return bool(multihost.broadcast("is_fresh", done is not None and done.get("config_hash") == chash))
 
 
 @contextlib.contextmanager
 def atomic_dir(path: str, chash: str, extra: dict | None = None) -> Iterator[str]:
   """Yields a temporary directory; on success it replaces `path` and gets a DONE.json.
 
-  On an exception the temporary directory is removed and `path` is untouched.
+  On an exception the temporary directory is removed and `path` is untouched. With several
+  processes it is collective: every process gets the same temporary directory (named by `chash`),
+  writes its share, and process 0 publishes it once all are done. A process other than 0 outside
+  the collective (inside `multihost.local()`) must never write a stage: that is an error.
   """
   parent = os.path.dirname(os.path.abspath(path)) or "."
+  if not multihost.is_writer():
+    if not multihost.is_multi():
+      raise RuntimeError(f"{path}: process {multihost.process_index()} found this stage stale after "
+                         "process 0 built it (its config hash differs between processes)")
+    tmp = multihost.broadcast("atomic_dir.tmp")
+    multihost.barrier("atomic_dir.open")
+    yield tmp
+    multihost.barrier("atomic_dir.written")
+    multihost.barrier("atomic_dir.published")
+    return
   os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".tmp-", dir=parent)
+  if multihost.is_multi():  # a name every process can know: the stage's hash
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{chash}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    multihost.broadcast("atomic_dir.tmp", tmp)
+    multihost.barrier("atomic_dir.open")
+  else:
+    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".tmp-", dir=parent)
   try:
     yield tmp
+    multihost.barrier("atomic_dir.written")
     with open(os.path.join(tmp, "DONE.json"), "w") as f:
       json.dump({"config_hash": chash, **(extra or {})}, f, indent=1)
     if os.path.exists(path):
       shutil.rmtree(path)
     os.replace(tmp, path)
+    multihost.barrier("atomic_dir.published")
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
 
 
-
-
+def run_host_stage(name: str, fn, config, workdir: str):
+  """A host-side stage (data, sids, retriever, traces, convert): process 0 runs it while the
+  others wait, then they run it too and find it fresh (reading only)."""
+  return multihost.writer_first(f"stage.{name}", lambda: fn(config, workdir))
 
 
 def model_hash(model_dir: str) -> str | None:

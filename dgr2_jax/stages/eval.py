@@ -134,8 +134,9 @@ def run(config, workdir: str, generate_fn=None, models: dict | None = None) -> s
                  prerank_floor=metrics_lib.prerank_floor([e["target_pos"] for e in examples]),
                  decode=common.to_plain(config.get("decode", {})))
   with common.atomic_dir(out, chash) as tmp:
-    with open(os.path.join(tmp, "predictions.jsonl"), "w") as f:
-      for r in records:
-        f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    if common.is_writer():  # several processes: process 0 writes
+      with open(os.path.join(tmp, "predictions.jsonl"), "w") as f:
+        for r in records:
+          f.write(json.dumps(r, ensure_ascii=False) + "\n")
     common.write_json_atomic(os.path.join(tmp, "metrics.json"), metrics)
   return out

@@ -73,7 +73,9 @@ def load_policy(config, model_dir: str):
   attention route, logits chunk: `Qwen3Config.with_runtime`)."""
   from dgr2_jax.model import checkpoint as model_ckpt
   from dgr2_jax.model import qwen3
-  mc, params = model_ckpt.load_model_dir(model_dir)
+  from dgr2_jax.train import loop
+  # Several processes: read straight into the training shardings (no whole copy per process).
+  mc, params = model_ckpt.load_model_dir(model_dir, shardings=loop.model_shardings(config))
   mc = mc.with_runtime(config.get("model"))
   return mc, qwen3.to_layout(mc, params)
 
@@ -114,7 +116,7 @@ def prompt_iterator(prompts: dict, prompts_per_step: int, seed: int):
   n = len(prompts["prompt_ids"])
   if n < prompts_per_step:
     raise ValueError(f"prompts_per_step ({prompts_per_step}) is more than the {n} train prompts")
-  return pipeline.make_iterator(prompts, prompts_per_step // jax.process_count(), seed=seed)
+  return pipeline.make_iterator(prompts, prompts_per_step, seed=seed, field="prompts_per_step")
 
 
 def teacher_model_dir(config, oc, workdir: str) -> str:
@@ -181,7 +183,8 @@ def distillation(config, oc, task: dict, src: str, teacher_dir: str) -> Distilla
     tparams = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params)
     score = jax.jit(functools.partial(opd.replay_teacher_cache, student_cfg, block_size=bs, top_k=top_k,
                                       mask_id=mask_id))
-  tparams = jax.device_put(tparams)
+  # Host arrays to the device; jax arrays stay (several processes: already in their shardings).
+  tparams = jax.tree_util.tree_map(lambda x: x if isinstance(x, jax.Array) else jax.device_put(x), tparams)
 
   if oc.student_context not in opd.STUDENT_CONTEXTS:
     raise ValueError(f"config.opd.student_context must be one of {opd.STUDENT_CONTEXTS}, got "

@@ -17,6 +17,7 @@ wall-clock in this run goes to `workdir/results/stage_times.json`.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -47,7 +48,9 @@ STAGES = {
     "generate": "dgr2_jax.stages.generate",
     "pipeline": "dgr2_jax.stages.pipeline",
 }
-NO_WORKDIR = ("generate",)  # stages that read/write only explicit paths
+NO_WORKDIR = ("generate",)
+# Stages that compute on the host alone: with several processes, process 0 runs them.
+HOST_STAGES = ("data", "sids", "retriever", "traces", "convert")  # stages that read/write only explicit paths
 # Ladder method name of each diffusion training stage (prefixed by the earlier ones present).
 _TRAINED = ("cft", "opd", "rl")
 
@@ -73,6 +76,8 @@ def stage_fn(name: str):
       raise NotImplementedError(f"stage {name!r} is not available: module {STAGES[name]} does not "
                                 "exist in this checkout") from None
     raise
+  if name in HOST_STAGES:  # several processes: process 0 builds, the others wait and read
+    return functools.partial(common.run_host_stage, name, module.run)
   return module.run
 
 
@@ -146,10 +151,31 @@ def _read_json(path: str) -> dict:
     return json.load(f)
 
 
+def check_batch_sizes(config) -> None:
+  """Before any stage: every enabled training stage's global batch splits over the processes (each
+  feeds its own rows) and, for the supervised stages, over the mesh's data x fsdp devices.
+  ValueError naming the field."""
+  import jax
+  from dgr2_jax.train import mesh as mesh_lib
+  on, tc = enabled_stages(config), config.train
+  devices, processes = jax.device_count(), jax.process_count()
+  for stage, field, size in (("sft", "train.batch_size", tc.batch_size),
+                             ("cft", "cft.batch_size" if config.get("cft", {}).get("batch_size", 0)
+                              else "train.batch_size",
+                              config.get("cft", {}).get("batch_size", 0) or tc.batch_size)):
+    if stage in on:
+      mesh_lib.check_batch_size(int(size), tc.mesh, devices, processes, field, int(tc.grad_accum_steps))
+  for sec in ("teacher_rl", "opd", "rl"):
+    if sec in on and sec in config and int(config[sec].prompts_per_step) % processes:
+      raise ValueError(f"{sec}.prompts_per_step ({config[sec].prompts_per_step}) must be divisible by the "
+                       f"process count ({processes})")
+
+
 def run(config, workdir: str) -> dict:
   """Runs the enabled stages in order; returns {stage: its return value}."""
   out, times = {}, {}
   stages = enabled_stages(config)
+  check_batch_sizes(config)
   for i, s in enumerate(stages):
     print(f"pipeline: [{i + 1}/{len(stages)}] {s}", flush=True)
     t0 = time.perf_counter()

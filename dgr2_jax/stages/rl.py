@@ -70,7 +70,7 @@ def train_grpo(config, workdir: str, stage: str, rc, src: str, decode_overrides:
   dist = dict(temperature=dc.temperature, top_k=dc.top_k, top_p=dc.top_p, mask_id=mask_id)
   per_call = int(rc.get("rollout_batch_size", 0))
   if kl_coef > 0:
-    ref_params = jax.device_put(jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params))
+    ref_params = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params)  # on the device(s)
     ref_fn = jax.jit(lambda p, pr, pl, seg: replay.replay_logprobs(policy_cfg, p, pr, pl, seg, bs, **dist))
 
   def make_batch(p, prompts, key):

@@ -20,18 +20,20 @@ import shutil
 
 import jax
 
+from dgr2_jax import multihost
 from dgr2_jax.stages import common
 
 STAGE = "sft"
 
 
-def model_from_config(model_cfg, vocab_size: int | None = None, pad_id=None, eos_id=None):
-  """-> (Qwen3Config, params or `fn(rng) -> params`) from `config.model`."""
+def model_from_config(model_cfg, vocab_size: int | None = None, pad_id=None, eos_id=None, shardings=None):
+  """-> (Qwen3Config, params or `fn(rng) -> params`) from `config.model`; `shardings`: see
+  `checkpoint.load_model_dir` (several processes: `loop.model_shardings(config)`)."""
   from dgr2_jax.model import qwen3
   from dgr2_jax.model.config import Qwen3Config
   if model_cfg.get("init_from", ""):
     from dgr2_jax.model import checkpoint as model_ckpt
-    mc, params = model_ckpt.load_model_dir(model_cfg.init_from)
+    mc, params = model_ckpt.load_model_dir(model_cfg.init_from, shardings=shardings)
     mc = mc.with_runtime(model_cfg)
     return mc, qwen3.to_layout(mc, params)
   fields = {f.name for f in dataclasses.fields(Qwen3Config)}
@@ -54,12 +56,14 @@ def prepare_train_dir(out: str, chash: str) -> str:
   """
   train_dir = os.path.join(out, "train")
   stamp = os.path.join(train_dir, "config_hash")
-  if os.path.exists(out) and (common.read_done(out) is not None
-                              or not os.path.exists(stamp) or open(stamp).read().strip() != chash):
-    shutil.rmtree(out)
-  os.makedirs(train_dir, exist_ok=True)
-  with open(stamp, "w") as f:
-    f.write(chash)
+  if common.is_writer():  # several processes: process 0 decides and prepares, the others wait
+    if os.path.exists(out) and (common.read_done(out) is not None
+                                or not os.path.exists(stamp) or open(stamp).read().strip() != chash):
+      shutil.rmtree(out)
+    os.makedirs(train_dir, exist_ok=True)
+    with open(stamp, "w") as f:
+      f.write(chash)
+  multihost.barrier("prepare_train_dir")
   return train_dir
 
 
@@ -87,11 +91,12 @@ def run(config, workdir: str) -> str:
   if epochs > 0:
     with tc.unlocked():
       tc.total_steps = max(1, epochs * n // int(tc.batch_size))
-  local_batch = int(tc.batch_size) // jax.process_count()
-  batch_iter = pipeline.make_iterator(arrays, local_batch, seed=int(config.seed))
+  batch_iter = pipeline.make_iterator(arrays, int(tc.batch_size), seed=int(config.seed),
+                                      field="train.batch_size")
 
   mc, params = model_from_config(config.model, vocab_size=len(tokenizer),
-                                 pad_id=tokenizer.pad_token_id, eos_id=tokenizer.convert_tokens_to_ids(tok_lib.IM_END))
+                                 pad_id=tokenizer.pad_token_id, eos_id=tokenizer.convert_tokens_to_ids(tok_lib.IM_END),
+                                 shardings=loop.model_shardings(config))
   rw, aw = float(tc.sft.reasoning_weight), float(tc.sft.answer_weight)
 
   def loss_fn(p, batch, rng):

@@ -16,8 +16,9 @@ Tokenisation (`encode_example`):
   r^D of the rank-promotion reward); also `candidates [b,N]` and `target [b]` for reward code.
 
 Batching: the whole split lives in memory as stacked arrays; a grain MapDataset over example
-indices is sharded per process (strided, equal shard sizes), shuffled per epoch from `seed`,
-batched with drop_remainder (static shapes), then rows are gathered. The iterator is a grain
+indices is shuffled per epoch from `seed` (one global order, the same in every process), batched
+into global batches with drop_remainder (static shapes), and each process gathers its slice of each
+global batch, so the data order does not depend on the process count. The iterator is a grain
 `DatasetIterator`: `get_state()`/`set_state()` resume exactly; `checkpoint_handler()` is the
 Orbax-compatible `grain.checkpoint.CheckpointHandler`.
 """
@@ -122,34 +123,57 @@ def build_arrays(examples: Sequence[dict], tokenizer, items, sids, task_cfg,
 
 
 def make_dataset(arrays: dict, batch_size: int, *, seed: int, num_epochs: int | None = None,
-                 shuffle: bool = True,
-                 shard_options: grain.sharding.ShardOptions | None = None) -> grain.MapDataset:
+                 shuffle: bool = True, shard_options: grain.sharding.ShardOptions | None = None,
+                 process: tuple[int, int] | None = None,
+                 field: str = "batch_size") -> grain.MapDataset:
   """MapDataset of batches (dicts of numpy arrays). `num_epochs=None` repeats forever.
 
-  Sharding defaults to `ShardByJaxProcess(drop_remainder=True)`: process k of n reads examples
-  k, k+n, ... of the first n*floor(N/n), so every process has the same number of batches.
+  Default: one global order whatever the process count. `batch_size` is the GLOBAL batch: every
+  process shuffles all examples alike (`seed`, re-shuffled each epoch), cuts global batches of
+  `batch_size` (drop_remainder), and process k of n keeps rows [k*b/n, (k+1)*b/n) of each, so
+  2 processes x 2 devices see exactly the batches 1 process x 4 devices sees. `process` =
+  (index, count) overrides jax's; `field` names the batch size in the divisibility error.
+
+  `shard_options` (explicit) instead shards the examples per process (strided: shard k of n reads
+  examples k, k+n, ... of the first n*floor(N/n)), each shard shuffled and batched by `batch_size`
+  on its own (the order then depends on the shard count).
   """
   n = len(next(iter(arrays.values())))
-  if shard_options is None:
-    shard_options = grain.sharding.ShardByJaxProcess(drop_remainder=True)
+  if shard_options is not None:
+    ds = grain.MapDataset.range(n)
+    count, index = shard_options.shard_count, shard_options.shard_index
+    if count > 1:
+      ds = ds[:n - n % count] if shard_options.drop_remainder else ds
+      ds = ds[index::count]
+    if len(ds) < batch_size:
+      raise ValueError(f"shard has {len(ds)} examples < batch size {batch_size}")
+    if shuffle:
+      ds = ds.shuffle(seed=seed)  # re-shuffled every epoch by grain (seed + epoch)
+    ds = ds.repeat(num_epochs).batch(batch_size, drop_remainder=True)
+    return ds.map(lambda idx: {k: v[idx] for k, v in arrays.items()})
+  if process is None:
+    from dgr2_jax import multihost
+    process = (multihost.process_index(), multihost.process_count())
+  index, count = process
+  if batch_size % count:
+    raise ValueError(f"{field} ({batch_size}) must be divisible by the process count ({count})")
+  if n < batch_size:
+    raise ValueError(f"{n} examples < {field} {batch_size}")
   ds = grain.MapDataset.range(n)
-  count, index = shard_options.shard_count, shard_options.shard_index
-  if count > 1:
-    ds = ds[:n - n % count] if shard_options.drop_remainder else ds
-    ds = ds[index::count]
-  if len(ds) < batch_size:
-    raise ValueError(f"shard has {len(ds)} examples < batch size {batch_size}")
   if shuffle:
     ds = ds.shuffle(seed=seed)  # re-shuffled every epoch by grain (seed + epoch)
   ds = ds.repeat(num_epochs).batch(batch_size, drop_remainder=True)
-  return ds.map(lambda idx: {k: v[idx] for k, v in arrays.items()})
+  lo, hi = index * (batch_size // count), (index + 1) * (batch_size // count)
+  return ds.map(lambda idx: {k: v[idx[lo:hi]] for k, v in arrays.items()})
 
 
 def make_iterator(arrays: dict, batch_size: int, *, seed: int, num_epochs: int | None = None,
-                  shuffle: bool = True, shard_options=None) -> grain.DatasetIterator:
-  """A checkpointable iterator of batches (`get_state()` / `set_state(state)`)."""
+                  shuffle: bool = True, shard_options=None, process: tuple[int, int] | None = None,
+                  field: str = "batch_size") -> grain.DatasetIterator:
+  """A checkpointable iterator of batches (`get_state()` / `set_state(state)`); `make_dataset`
+  says which rows each process gets."""
   ds = make_dataset(arrays, batch_size, seed=seed, num_epochs=num_epochs, shuffle=shuffle,
-                    shard_options=shard_options)
+                    shard_options=shard_options, process=process, field=field)
   # One reader thread and a small buffer: the gather is cheap and the CPUs are shared.
   return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)))
 

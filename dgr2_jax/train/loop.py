@@ -16,7 +16,9 @@ Train state: the plain dict {"params", "opt_state", "step" (int32), "rng" (uint3
 the per-step key is `fold_in(rng, step)`, so it needs no updating and resumes exactly.
 `train_step(state, batch) -> (state, metrics)` is jitted with explicit in/out shardings and the
 state donated. Resuming is automatic: `train` restores the latest checkpoint under
-`<workdir>/checkpoints` if there is one and continues to `train.total_steps`.
+`<workdir>/checkpoints` if there is one and continues to `train.total_steps`. With several
+processes each process's iterator state is saved (`checkpoint.gather_data_state`) and a resume
+under another process count is refused.
 A non-finite loss stops the run with FloatingPointError naming the step; nothing is saved for that
 step, so the last good checkpoint stays the latest.
 """
@@ -123,6 +125,22 @@ def state_shardings(param_shapes, optimizer, mesh, rules):
   return shapes, {"params": p_sh, "opt_state": o_sh, "step": rep, "rng": rep}
 
 
+def model_shardings(config):
+  """-> `fn(model_config)`: the shardings of a model directory's parameters (per-layer layout) on
+  `config.train`'s mesh, for `checkpoint.load_model_dir(shardings=...)`; None in a single process
+  (where the host copy is placed by `init_state`)."""
+  if jax.process_count() == 1:
+    return None
+  from dgr2_jax.model import checkpoint as model_ckpt
+
+  def fn(model_config):
+    shapes = model_ckpt.unflatten({p: jax.ShapeDtypeStruct(s, jnp.float32) for p, s in
+                                   model_ckpt.expected_shapes(model_config.replace(scan_layers=False)).items()})
+    return mesh_lib.param_shardings(shapes, mesh_lib.make_mesh(config.train.mesh),
+                                    tuple(config.train.logical_axis_rules))
+  return fn
+
+
 def init_state(params_or_fn, optimizer, shardings, seed: int, master_dtype):
   """Builds the sharded train state; a callable `params_or_fn(rng)` is run under jit straight
   into its shardings (no full host copy of a big model)."""
@@ -165,7 +183,6 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
   and `<workdir>/tensorboard`. Resumes from the latest checkpoint in `workdir` when present.
   Returns the final train-state dict (sharded jax arrays).
   """
-  mesh_lib.maybe_initialize_distributed()
   tc = config.train
   total = int(tc.total_steps)
   gb, k = int(tc.batch_size), int(tc.grad_accum_steps)
@@ -176,6 +193,8 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
   if tc.param_dtype not in _DTYPES:
     raise ValueError(f"train.param_dtype must be one of {sorted(_DTYPES)}, got {tc.param_dtype!r}")
   master_dtype = _DTYPES[tc.param_dtype]
+  if mesh is None:
+    mesh_lib.check_batch_size(gb, tc.mesh, jax.device_count(), jax.process_count(), grad_accum_steps=k)
   mesh = mesh if mesh is not None else mesh_lib.make_mesh(tc.mesh)
   rules = tuple(tc.logical_axis_rules)
   optimizer, schedule = optim.make_optimizer(tc.optimizer, total)
@@ -231,7 +250,7 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
         t0, t_steps = time.perf_counter(), 0
       writer.bar(s, m)
       if s % ckpt_every == 0 or s == total:
-        ckpt_lib.save(manager, s, state, iter_state(it))
+        ckpt_lib.save(manager, s, state, ckpt_lib.gather_data_state(iter_state(it)))
         last_saved = s
     manager.wait_until_finished()
   finally:

@@ -1,4 +1,5 @@
-"""Device mesh, logical-axis rules -> shardings, multi-host init and batch assembly.
+"""Device mesh, logical-axis rules -> shardings and batch assembly (multi-process initialisation is
+`dgr2_jax.multihost.initialize`, called first by `main`).
 
 Mesh axes are ("data", "fsdp", "tensor"). Every parameter carries logical axis names
 (`qwen3.PARAM_LOGICAL_AXES`); the rules table (`config.train.logical_axis_rules`) maps each name to
@@ -15,7 +16,6 @@ leaves (counters) are replicated. Batches are sharded on dim 0 over the 'batch' 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Sequence
 
 import jax
@@ -25,32 +25,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from dgr2_jax.model import qwen3
 
 AXES = ("data", "fsdp", "tensor")
-
-
-def maybe_initialize_distributed() -> bool:
-  """Calls `jax.distributed.initialize()` when the environment describes a multi-host launch.
-
-  Recognised: JAX_COORDINATOR_ADDRESS (+ JAX_NUM_PROCESSES, JAX_PROCESS_ID), SLURM with more than
-  one task, or Cloud TPU multi-host metadata (MEGASCALE / TPU_WORKER_HOSTNAMES with several hosts).
-  Returns True if it initialised. Safe to call more than once.
-  """
-  if getattr(maybe_initialize_distributed, "_done", False):
-    return True
-  env = os.environ
-  multi = ("JAX_COORDINATOR_ADDRESS" in env
-           or int(env.get("SLURM_NTASKS", "1")) > 1
-           or len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1)
-  if not multi:
-    return False
-  kw = {}
-  if "JAX_COORDINATOR_ADDRESS" in env:
-    kw = dict(coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
-              num_processes=int(env["JAX_NUM_PROCESSES"]) if "JAX_NUM_PROCESSES" in env else None,
-              process_id=int(env["JAX_PROCESS_ID"]) if "JAX_PROCESS_ID" in env else None)
-  jax.distributed.initialize(**kw)
-  maybe_initialize_distributed._done = True
-  logging.info("jax.distributed initialised: process %d of %d", jax.process_index(), jax.process_count())
-  return True
 
 
 def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
@@ -67,6 +41,21 @@ def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
     raise ValueError(f"train.mesh: {dict(zip(AXES, dims))} needs {int(np.prod(dims))} devices, "
                      f"{num_devices} available")
   return tuple(dims)
+
+
+def check_batch_size(batch_size: int, mesh_cfg, num_devices: int, num_processes: int,
+                     field: str = "train.batch_size", grad_accum_steps: int = 1) -> None:
+  """ValueError naming `field` unless the global batch splits evenly over the processes (each
+  feeds its own rows) and each micro-batch over the mesh's data x fsdp devices."""
+  if batch_size % num_processes:
+    raise ValueError(f"{field} ({batch_size}) must be divisible by the process count ({num_processes})")
+  dims = dict(zip(AXES, mesh_shape(mesh_cfg, num_devices)))
+  split = dims["data"] * dims["fsdp"]
+  micro = batch_size // max(int(grad_accum_steps), 1)
+  if micro % split:
+    what = f"{field} / train.grad_accum_steps ({micro})" if grad_accum_steps > 1 else f"{field} ({batch_size})"
+    raise ValueError(f"{what} must be divisible by train.mesh data x fsdp ({dims['data']} x {dims['fsdp']} = "
+                     f"{split} on {num_devices} devices)")
 
 
 def make_mesh(mesh_cfg, devices: Sequence[Any] | None = None) -> Mesh:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from dgr2_jax import multihost
 from dgr2_jax.decode import sampler
 from dgr2_jax.train import checkpoint as ckpt_lib
 from dgr2_jax.train import loop
@@ -52,6 +53,10 @@ def sample(model_config, params, prompt_ids, prompt_len, decode_config: sampler.
 
   `rows_per_call` > 0 decodes the n*G rows in calls of that many rows (it must divide n*G; call i
   uses `fold_in(rng, i)`), so the decode's memory is that of one call; 0 = one call.
+  Several processes: `prompt_ids`/`prompt_len` are this process's rows; each call decodes one
+  global batch (every process's rows, in process order, over the parameters' data x fsdp devices),
+  so each row's key comes from its global row index, the all-done test is global, and this
+  process gets its own rows back. `rows_per_call` then counts this process's rows.
   Returns numpy arrays over n*G rows: prompt_ids, prompt_len, tokens, commit_step, logprob
   (decode-time, under the decoding distribution), nfe, eos_pos, finished (an EOS was committed
   within max_new_tokens), loss_mask (committed and at or before the first EOS), and output_ids.
@@ -67,12 +72,16 @@ def sample(model_config, params, prompt_ids, prompt_len, decode_config: sampler.
   if rows % per:
     raise ValueError(f"rollout_batch_size ({per}) must divide the {rows} rollout rows of a step")
   parts = []
+  rows_sh = global_rows_sharding(params) if jax.process_count() > 1 else None
   for i in range(rows // per):
     toks, lens = prompt_ids[i * per:(i + 1) * per], prompt_len[i * per:(i + 1) * per]
-    if batch_sharding is not None:
+    if rows_sh is not None:  # this process's rows of one global batch (rows in process order)
+      toks, lens = to_global(toks, rows_sh), to_global(lens, rows_sh)
+    elif batch_sharding is not None:
       toks, lens = jax.device_put(toks, batch_sharding), jax.device_put(lens, batch_sharding)
     key = rng if per == rows else jax.random.fold_in(rng, i)
-    parts.append({k: np.asarray(v) for k, v in sampler.run_decoder(fn, params, toks, lens, dc, key).items()})
+    out = sampler.run_decoder(fn, params, toks, lens, dc, key)
+    parts.append({k: np.asarray(v) if rows_sh is None else to_local(v, per) for k, v in out.items()})
   out = {k: np.concatenate([pt[k] for pt in parts]) if parts[0][k].ndim else np.asarray([pt[k] for pt in parts])
          for k in parts[0]}
   r = out["tokens"].shape[1]
@@ -81,6 +90,36 @@ def sample(model_config, params, prompt_ids, prompt_len, decode_config: sampler.
              loss_mask=(out["commit_step"] >= 0) & (np.arange(r)[None] <= eos_pos[:, None]))
   out["output_ids"] = [row[:min(int(e) + 1, r)].tolist() for row, e in zip(out["tokens"], eos_pos)]
   return out
+
+
+def global_rows_sharding(params) -> NamedSharding:
+  """Rows over the ("data", "fsdp") axes of the parameters' mesh (one mesh per program), the rest
+  replicated. Parameters on another kind of sharding: rows over every device in order."""
+  leaf = jax.tree_util.tree_leaves(params)[0]
+  sh = getattr(leaf, "sharding", None)
+  if isinstance(sh, NamedSharding):
+    axes = tuple(a for a in ("data", "fsdp") if a in sh.mesh.shape and sh.mesh.shape[a] > 1)
+    return NamedSharding(sh.mesh, P(axes or None))
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("rows",))
+  return NamedSharding(mesh, P("rows"))
+
+
+def to_global(local: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """This process's rows -> the global array (rows of process 0 first, then 1, ...)."""
+  gshape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
+  return jax.make_array_from_process_local_data(sharding, local, gshape)
+
+
+def to_local(x: jax.Array, local_rows: int) -> np.ndarray:
+  """A global decode output -> this process's rows (outputs that are not per row: the whole)."""
+  from jax.experimental import multihost_utils
+  if x.ndim == 0:
+    return np.asarray(x.addressable_data(0))  # replicated
+  full = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  if full.shape[0] != local_rows * jax.process_count():
+    return full
+  i = jax.process_index()
+  return full[i * local_rows:(i + 1) * local_rows]
 
 
 def replay_inputs(rollouts: dict, block_size: int, mask_id: int, commit_step=None,
@@ -135,7 +174,6 @@ def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
   the number of ROWS `make_batch` returns (prompts per step * rollouts per prompt). `frozen` (e.g.
   the teacher's params) is placed once with its parameter shardings and passed to every step as
   `loss_fn(params, batch, rng, frozen)`; it is neither trained nor checkpointed."""
-  mesh_lib.maybe_initialize_distributed()
   tc = config.train
   total, gb, k = int(tc.total_steps), int(tc.batch_size), int(tc.grad_accum_steps)
   if total <= 0:
@@ -186,13 +224,16 @@ def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
       t1 = time.perf_counter()
       state, m = step_fn(state, mesh_lib.shard_batch(batch, b_sh, gb))
       m = {n: float(v) for n, v in jax.device_get(m).items()}
-      m.update({n: float(v) for n, v in host_m.items()})
+      # Host metrics (rewards, valid rate, ...) of this process's rows: averaged over processes.
+      host_m = {n: float(np.mean(v)) for n, v in zip(host_m, zip(*multihost.allgather(
+          "rollout_metrics", [float(x) for x in host_m.values()])))} if host_m else host_m
+      m.update(host_m)
       m.update(rollout_time_s=t1 - t0, update_time_s=time.perf_counter() - t1)
       loop.stop_if_not_finite(m, s, total, desc, writer, manager, last_saved)
       writer.write(s, m)
       writer.bar(s, m)
       if s % ckpt_every == 0 or s == total:
-        ckpt_lib.save(manager, s, state, loop.iter_state(prompt_iter))
+        ckpt_lib.save(manager, s, state, ckpt_lib.gather_data_state(loop.iter_state(prompt_iter)))
         last_saved = s
     manager.wait_until_finished()
   finally:

@@ -1,0 +1,103 @@
+"""Several processes run the whole pipeline as one process does (Tier 2).
+
+`configs/demo.py:smoke` end to end through `launch/local_multi_process.sh` as 1 process x 4 CPU
+devices and as 2 processes x 2 devices: both exit 0 and leave no temporary directory, every model
+directory holds its weights, every stage has the same config hash, the data / SID / retriever /
+traces files are identical, the predictions equal and the accuracy rows equal apart from their
+timing fields, and each line process 0 prints appears as often as in the single process's output.
+A third run, 2 x 2 with `train.mesh.fsdp=2` (parameters split across the processes) and process 1
+started 5 s late, reuses the host-side stages of the 2 x 2 run and must finish with weights in
+every model directory and no temporary directory left.
+"""
+
+import collections
+import filecmp
+import json
+import os
+import re
+import shutil
+
+import pytest
+
+import multiprocess_harness as mph
+
+SMOKE = ["python", "-m", "dgr2_jax.main", "--config=configs/demo.py:smoke"]
+HOST_STAGES = ("data", "sids", "retriever", "traces")
+MODEL_STAGES = ("sft", "teacher_rl", "convert", "cft", "opd", "rl")
+# Fields of a record that measure time, not results.
+TIMING = re.compile(r"(time|seconds|per_s|per_sec|_s$|speedup|written|run)")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  d = tmp_path_factory.mktemp("mp_pipeline")
+  out = {}
+  for name, n, k in (("1x4", 1, 4), ("2x2", 2, 2)):
+    out[name] = (d / name, mph.check(mph.launch(n, k, SMOKE + [f"--workdir={d / name}"], timeout=1800)))
+  fsdp = d / "2x2_fsdp"
+  fsdp.mkdir()
+  for s in HOST_STAGES:  # fresh there: the run starts at sft
+    shutil.copytree(d / "2x2" / s, fsdp / s)
+  out["fsdp"] = (fsdp, mph.check(mph.launch(2, 2, SMOKE + [f"--workdir={fsdp}", "--config.train.mesh.fsdp=2"],
+                                            delays=(0, 5), timeout=1800)))
+  return out
+
+
+def temp_dirs(root) -> list:
+  return [os.path.join(dp, n) for dp, dns, _ in os.walk(root) for n in dns if ".tmp" in n or "-tmp-" in n]
+
+
+def done_hashes(root) -> dict:
+  out = {}
+  for dp, _, fns in os.walk(root):
+    if "DONE.json" in fns:
+      with open(os.path.join(dp, "DONE.json")) as f:
+        out[os.path.relpath(dp, root)] = json.load(f)["config_hash"]
+  return out
+
+
+def test_clean_workdirs_with_weights(runs):
+  for name, (wd, _) in runs.items():
+    assert temp_dirs(wd) == [], (name, temp_dirs(wd))
+    for s in MODEL_STAGES:
+      params = wd / s / "model" / "params"
+      assert params.is_dir() and os.listdir(params), (name, s)
+
+
+def test_same_hashes_and_host_files(runs):
+  (one, _), (two, _) = runs["1x4"], runs["2x2"]
+  assert done_hashes(one) == done_hashes(two)
+  for s in HOST_STAGES:
+    cmp = filecmp.dircmp(one / s, two / s)
+    stack, diff = [cmp], []
+    while stack:
+      c = stack.pop()
+      diff += [os.path.join(c.left, f) for f in c.diff_files + c.left_only + c.right_only]
+      stack += list(c.subdirs.values())
+    # The data stage records its own build time; TFDS records when it was prepared.
+    diff = [f for f in diff if not f.endswith(("stats.json", "dataset_info.json"))]
+    assert diff == [], diff
+
+
+def _rows(path) -> list:
+  with open(path) as f:
+    rows = json.load(f)
+  return [{k: v for k, v in r.items() if not TIMING.search(k)} for r in rows]
+
+
+def test_predictions_and_accuracy_equal(runs):
+  (one, _), (two, _) = runs["1x4"], runs["2x2"]
+  evals = sorted(os.listdir(one / "eval"))
+  assert evals and evals == sorted(os.listdir(two / "eval"))
+  for e in evals:
+    a = (one / "eval" / e / "predictions.jsonl").read_text()
+    assert a and a == (two / "eval" / e / "predictions.jsonl").read_text(), e
+  assert _rows(one / "results" / "accuracy.json") == _rows(two / "results" / "accuracy.json")
+
+
+def test_each_line_once(runs):
+  def lines(res):
+    digits = lambda l: re.sub(r"[0-9.]+", "#", l)
+    return collections.Counter(digits(l) for l in res.stdout.splitlines() if l.strip() and not l.startswith("[Gloo]"))
+  one, two = lines(runs["1x4"][1]), lines(runs["2x2"][1])
+  assert two and {l: c for l, c in two.items() if c > one.get(l, 0)} == {}
