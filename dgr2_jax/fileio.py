@@ -44,3 +44,8 @@ def write_text_atomic(path: str, text: str) -> None:
 def write_json_atomic(path: str, obj: Any) -> None:
   """Writes JSON via a temporary file + rename (never a partial file)."""
   write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=False))
+
+
+class InputError(ValueError):
+  """A file the user gave (or a stage wrote) cannot be read: truncated, not the format it should
+  be. The message names the file; the command line prints it as one line (exit status 1)."""

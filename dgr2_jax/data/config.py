@@ -73,3 +73,42 @@ def retriever_config() -> ml_collections.ConfigDict:
   c.patience = 3  # validation passes without improvement before stopping
   c.eval_batch_size = 512
   return c
+
+
+SOURCES = ("beauty", "synthetic")
+FORMATS = ("auto", "tsv", "mcauley")
+SID_ENCODERS = ("minilm", "npy", "hash")
+RETRIEVER_SOURCES = ("sasrec", "file")
+
+
+def validate(config, runs: set) -> None:
+  """Checks `data`, `sids`, `retriever`; paths only for the stages in `runs` (see dgr2_jax/checks.py)."""
+  from dgr2_jax import checks
+  c = config
+  if "data" in c:
+    checks.one_of(c, "data", "source", SOURCES)
+    checks.one_of(c, "data", "format", FORMATS)
+    checks.positive_int(c, "data", "min_count")
+    if "data" in runs and c.data.source == "beauty":
+      if not c.data.dir:
+        checks.fail("data.dir", "is required for data.source='beauty' (the Amazon Beauty folder)")
+      checks.is_dir("data.dir", c.data.dir, "data folder")
+
+  if "sids" in c:
+    checks.one_of(c, "sids", "encoder", SID_ENCODERS)
+    for f in ("num_levels", "codebook_size", "latent_dim", "batch_size", "num_steps"):
+      checks.positive_int(c, "sids", f)
+    if "sids" in runs and c.sids.encoder == "npy":
+      if not c.sids.embeddings_npy:
+        checks.fail("sids.embeddings_npy", "is required for sids.encoder='npy'")
+      checks.is_file("sids.embeddings_npy", c.sids.embeddings_npy, "embeddings file")
+
+  if "retriever" in c:
+    checks.one_of(c, "retriever", "source", RETRIEVER_SOURCES)
+    if c.retriever.num_candidates != 10:
+      checks.fail("retriever.num_candidates", f"must be 10 (the task's candidate lists), got "
+                  f"{c.retriever.num_candidates}")
+    if "retriever" in runs and c.retriever.source == "file":
+      if not c.retriever.candidates_file:
+        checks.fail("retriever.candidates_file", "is required for retriever.source='file'")
+      checks.is_file("retriever.candidates_file", c.retriever.candidates_file, "candidates file")

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 import ml_dtypes
 import numpy as np
 
+from dgr2_jax.fileio import InputError
 from dgr2_jax.model import qwen3
 from dgr2_jax.model.config import Qwen3Config
 
@@ -422,7 +423,11 @@ def load_model_dir(path: str, dtype=None, progress: bool = False) -> tuple[Qwen3
   """
   fmt = detect_format(path)
   dtype = None if dtype is None else np.dtype(dtype)
-  return _load_hf(path, dtype, progress) if fmt == "hf" else _load_ours(path, dtype)
+  try:
+    return _load_hf(path, dtype, progress) if fmt == "hf" else _load_ours(path, dtype)
+  except ValueError as e:  # a bad file (truncated, corrupt, mismatched): one line naming it
+    msg = " ".join(str(e).split())
+    raise InputError(msg if msg.startswith(path) else f"{path}: cannot load the model ({msg})") from e
 
 
 def save_model_dir(path: str, config: Qwen3Config, params: dict, tokenizer_src=None,

@@ -42,3 +42,53 @@ def eval_config() -> ml_collections.ConfigDict:
   c.batch_size = 8               # static; the last batch is padded
   c.max_examples = 0             # 0 = the whole split
   return c
+
+
+SPLITS = ("train", "valid", "test")
+INSERT_TARGET = ("none", "replace_last", "random_position")
+TOO_LONG = ("drop", "truncate_reasoning")
+ACCEPT = ("top1", "promote")
+# Stages that read the tokenizer.
+_TOKENIZER_STAGES = {"traces", "sft", "eval", "bench", "pipeline"}
+
+
+def validate(config, runs: set) -> None:
+  """Checks `task` (paths only for the stages in `runs`)."""
+  from dgr2_jax import checks
+  from dgr2_jax.task import answer, prompts, rationale
+  c = config
+  if "task" not in c:
+    return
+  t = c.task
+  checks.one_of(c, "task", "prompt_variant", prompts.VARIANTS)
+  checks.one_of(c, "task", "rationale_style", rationale.STYLES)
+  checks.one_of(c, "task", "answer_ids", answer.ANSWER_IDS)
+  if t.answer_ids == "number" and t.prompt_variant != "minimal":
+    checks.fail("task.answer_ids", f"'number' needs task.prompt_variant='minimal' (the "
+                f"{t.prompt_variant!r} prompt's instructions ask for SIDs)")
+  checks.one_of(c, "task", "insert_target", INSERT_TARGET)
+  checks.one_of(c, "task", "too_long_response", TOO_LONG)
+  checks.one_of(c, "task", "accept", ACCEPT)
+  for f in ("prompt_len", "response_len", "num_candidates", "demo_vocab_size"):
+    checks.positive_int(c, "task", f)
+  for s in t.splits:
+    if s not in SPLITS:
+      checks.fail("task.splits", f"{s!r} is not a split; known: {list(SPLITS)}")
+  if t.tokenizer and runs & _TOKENIZER_STAGES:
+    checks.is_dir("task.tokenizer", t.tokenizer, "tokenizer directory")
+  if t.traces_path and "traces" in runs:
+    checks.is_file("task.traces_path", t.traces_path, "teacher traces file")
+
+
+def validate_eval(config, runs: set) -> None:
+  """Checks `eval`; `eval.model_dir` is required when the eval stage runs alone."""
+  from dgr2_jax import checks
+  c = config
+  if "eval" not in c:
+    return
+  checks.one_of(c, "eval", "split", SPLITS)
+  checks.positive_int(c, "eval", "batch_size")
+  if c.get("stage") == "eval":
+    if not c.eval.model_dir:
+      checks.fail("eval.model_dir", "is required for config.stage='eval'")
+    checks.model_dir("eval.model_dir", c.eval.model_dir)

@@ -61,3 +61,30 @@ def train_config() -> ml_collections.ConfigDict:
   s.epochs = 0  # > 0: train.total_steps = epochs * train examples // batch_size
   c.sft = s
   return c
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+SCHEDULES = ("cosine", "constant")
+
+
+def validate(config, runs: set) -> None:
+  """Checks `train` (batch, accumulation, dtype, schedule, mesh axes)."""
+  del runs  # no paths
+  from dgr2_jax import checks
+  c = config
+  if "train" not in c:
+    return
+  tr = c.train
+  checks.positive_int(c, "train", "total_steps")
+  checks.positive_int(c, "train", "batch_size")
+  checks.positive_int(c, "train", "grad_accum_steps")
+  if tr.batch_size % tr.grad_accum_steps:
+    checks.fail("train.batch_size", f"({tr.batch_size}) must be divisible by train.grad_accum_steps "
+                f"({tr.grad_accum_steps})")
+  checks.one_of(c, "train", "param_dtype", DTYPES)
+  if tr.optimizer.schedule not in SCHEDULES:
+    checks.fail("train.optimizer.schedule", f"must be one of {list(SCHEDULES)}, got "
+                f"{tr.optimizer.schedule!r}")
+  dims = [tr.mesh[a] for a in ("data", "fsdp", "tensor")]
+  if sum(d == -1 for d in dims) > 1 or any(d == 0 or d < -1 for d in dims):
+    checks.fail("train.mesh", f"each axis must be >= 1 and at most one -1, got {tr.mesh.to_dict()}")

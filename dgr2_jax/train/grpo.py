@@ -125,3 +125,26 @@ def grpo_loss(model_config, params, batch: dict, rng=None, *, block_size: int, c
     raise ValueError("rl.kl_coef > 0 needs ref_logp in the batch")
   return ppo_terms(logp, batch["old_logp"], batch["advantages"], batch["loss_mask"], clip_low=clip_low,
                    clip_high=clip_high, kl_coef=kl_coef, ref_logp=ref)
+
+
+def validate(config, runs: set, section: str = "rl") -> None:
+  """Checks an RL config section: `rl` (the diffusion model's GRPO) or `teacher_rl` (the AR teacher's)."""
+  from dgr2_jax import checks
+  from dgr2_jax.train import cft
+  c = config
+  if section not in c:
+    return
+  cft._model_dirs(c, runs, section)  # pylint: disable=protected-access
+  checks.positive_int(c, section, "group_size", 2)
+  checks.positive_int(c, section, "steps")
+  checks.positive_int(c, section, "prompts_per_step")
+  if float(c[section].lr) <= 0:
+    checks.fail(f"{section}.lr", f"must be > 0, got {c[section].lr}")
+  if not 0.0 <= float(c[section].alpha) <= 1.0:
+    checks.fail(f"{section}.alpha", f"must be in [0, 1], got {c[section].alpha}")
+  for f in ("clip_eps", "clip_eps_high"):
+    if not 0.0 < float(c[section][f]) < 1.0:
+      checks.fail(f"{section}.{f}", f"must be in (0, 1), got {c[section][f]}")
+  if not checks.is_int(c[section].get("rollout_batch_size", 0), 0):
+    checks.fail(f"{section}.rollout_batch_size", f"must be an int >= 0 (0 = all rollouts at once), got "
+                f"{c[section].rollout_batch_size!r}")

@@ -228,3 +228,30 @@ def opd_loss(student_config, params, batch: dict, rng=None, teacher_params=None,
   # Agreement of the argmaxes: a cheap readable progress signal next to the KL.
   agree = jnp.sum(m * agree) / jnp.maximum(denom, 1.0)
   return loss, {"kl_to_teacher": loss, "top1_agreement": agree, "tokens": denom, "denominator": denom}
+
+
+def validate(config, runs: set) -> None:
+  """Checks the `opd` config section."""
+  from dgr2_jax import checks
+  from dgr2_jax.train import cft
+  c = config
+  if "opd" not in c:
+    return
+  cft._model_dirs(c, runs, "opd")  # pylint: disable=protected-access
+  checks.positive_int(c, "opd", "rollouts_per_prompt")
+  checks.positive_int(c, "opd", "prompts_per_step")
+  checks.one_of(c, "opd", "teacher", TEACHERS)
+  if "student_context" in c.opd:
+    checks.one_of(c, "opd", "student_context", STUDENT_CONTEXTS)
+    if c.opd.teacher == "self_tau1" and c.opd.student_context != "replay":
+      checks.fail("opd.student_context", "must be 'replay' with opd.teacher='self_tau1'")
+  if float(c.opd.lr) <= 0:
+    checks.fail("opd.lr", f"must be > 0, got {c.opd.lr}")
+  if c.opd.get("teacher_cache", "full") not in TEACHER_CACHES:
+    checks.fail("opd.teacher_cache", f"must be one of {list(TEACHER_CACHES)}, got {c.opd.teacher_cache!r}")
+  if c.opd.get("teacher_cache", "full") == "none" and c.opd.teacher != "ar":
+    checks.fail("opd.teacher_cache", f"'none' scores the AR teacher in the step; teacher {c.opd.teacher!r} "
+                "needs 'full' or 'topk'")
+  if not checks.is_int(c.opd.get("rollout_batch_size", 0), 0):
+    checks.fail("opd.rollout_batch_size", f"must be an int >= 0 (0 = all rollouts at once), got "
+                f"{c.opd.rollout_batch_size!r}")
