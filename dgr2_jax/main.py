@@ -118,6 +118,9 @@ def run(config, workdir: str | None):
 def fail(msg, status: int):
   """One line on stderr naming what to fix, and the exit status (USAGE or RUNTIME)."""
   print(f"{PROG}: {' '.join(str(msg).split())}", file=sys.stderr, flush=True)
+  if status == RUNTIME:  # a failed read can leave library threads (Orbax's event loop) that print
+    sys.stdout.flush()   # their own traceback at interpreter exit; nothing is left to clean up
+    os._exit(status)
   sys.exit(status)
 
 
