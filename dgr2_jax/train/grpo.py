@@ -39,14 +39,14 @@ def rl_config() -> ml_collections.ConfigDict:
   c.init_from = ""             # '' => the previous model stage's dir (workdir/opd/model normally)
   c.group_size = 8             # G
   c.lr = 5e-7                  # constant
-  c.steps = 600
+  c.steps = 600  # optimiser steps
   c.prompts_per_step = 16      # groups per step (batch rows = prompts_per_step * group_size)
   c.alpha = 0.2                # weight of the conditional format reward
   c.clip_eps = 0.2             # eps_low
   c.clip_eps_high = 0.2        # eps_high (DAPO clip-higher when > clip_eps)
   c.kl_coef = 0.0              # > 0: k3 KL to the starting (reference) model
   c.temperature = 1.0          # rollout sampling temperature
-  c.grad_accum_steps = 1
+  c.grad_accum_steps = 1  # micro-batches per optimiser step
   c.replay_max_segments = 8    # replay canvases per block: as opd.opd_config() explains
   c.rollout_batch_size = 0     # rows decoded per call (0 = all at once): as opd.opd_config() explains
   return c

@@ -82,20 +82,20 @@ def opd_config() -> ml_collections.ConfigDict:
   c.student_context = "replay"  # 'replay' (decode-time canvases) | 'prefix' (P, o_<t; see train/opd.py)
   c.rollouts_per_prompt = 4    # G'
   c.lr = 1e-6                  # constant
-  c.prompts_per_step = 128
-  c.epochs = 1
+  c.prompts_per_step = 128  # prompts per optimiser step (rows = prompts_per_step x rollouts_per_prompt)
+  c.epochs = 1  # passes over the training prompts
   c.steps = 0                  # 0 => epochs * train prompts // prompts_per_step
   # Teacher side (module docstring): 'full' cache, 'topk' cache of teacher_top_k + rest mass, or
   # 'none' (scored exactly inside the step: no cache, and at Qwen3's vocabulary less time per step
   # than building a cache first; README, benchmarks/teacher_cache.py).
   c.teacher_cache = "none"
-  c.teacher_top_k = 64
+  c.teacher_top_k = 64  # teacher_cache='topk': teacher log-probs kept per position
   # Rows decoded per call of the decoder (0 = all prompts_per_step x rollouts_per_prompt at once):
   # the global batch of rollouts never has to fit in one decode; grad_accum_steps does the same
   # for the update.
   c.rollout_batch_size = 0
   c.temperature = 1.0          # rollout sampling temperature
-  c.grad_accum_steps = 1
+  c.grad_accum_steps = 1  # micro-batches per optimiser step
   # Replay canvases per block (see train/replay.py): the scorer's cost grows with the canvases
   # (benchmarks/replay_cost.py), so the default bounds it; blocks that used more steps are merged
   # (inexact, reported as replay_exact). 0 or block_size = always exact. 8 is exact under the
