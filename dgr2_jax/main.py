@@ -140,6 +140,10 @@ def main(argv):
     run(config, _WORKDIR.value)
   except (InputError, FileNotFoundError, NotImplementedError) as e:
     fail(e, RUNTIME)
+  except ValueError as e:
+    if not config.get("dry_run", False):
+      raise
+    fail(e, USAGE)  # the plan names the field that does not fit the machine (train.mesh, hardware.*)
 
 
 # ---- the command line's own mistakes (before a config exists) ---------------------------------------

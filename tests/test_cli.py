@@ -87,6 +87,8 @@ USAGE_CASES = [
     (["--config=configs/demo.py", "--config.stage=eval", "--config.eval.model_dir={tmp}"], 2,
      ["config.eval.model_dir:", "has no config.json"]),
     (["--config=configs/generate.py"], 2, ["config.model_dir: is required"]),
+    (["--config=configs/beauty_qwen3_8b.py", "--config.dry_run=True", "--config.hardware.num_devices=3"], 2,
+     ["train.mesh:", "does not divide 3 devices"]),
 ]
 
 
