@@ -74,6 +74,9 @@ def validate(config, workdir: str | None) -> None:
   if workdir and os.path.isfile(workdir):
     raise ValueError(f"--workdir: {workdir!r} is a file; give a directory (created if missing)")
   runs = set() if config.get("dry_run", False) else (_runs(config) if "pipeline" in config else {stage})
+  if runs and stage != "pipeline":  # a stage alone also runs what it needs that is not built
+    from dgr2_jax.stages import pipeline
+    runs |= set(pipeline.missing_prerequisites(config, workdir, stage))
   for _, check in _section_validators():
     check(config, runs)
 
@@ -141,9 +144,11 @@ def main(argv):
   except (InputError, FileNotFoundError, NotImplementedError) as e:
     fail(e, RUNTIME)
   except ValueError as e:
-    if not config.get("dry_run", False):
+    # A value only a stage can check names its field (`config.x: ...`), as does a dry run's plan that
+    # does not fit the machine (train.mesh, hardware.*); any other ValueError is a bug: traceback.
+    if not (config.get("dry_run", False) or str(e).startswith("config.")):
       raise
-    fail(e, USAGE)  # the plan names the field that does not fit the machine (train.mesh, hardware.*)
+    fail(e, USAGE)
 
 
 # ---- the command line's own mistakes (before a config exists) ---------------------------------------

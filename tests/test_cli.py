@@ -108,6 +108,8 @@ def test_usage_mistakes_are_one_line(tmp_path, args, status, needles):
 PATH_CASES = [
     ("beauty_cpu.py", {"data.dir": "{tmp}/absent"}, FileNotFoundError, "config.data.dir: data folder .*absent' does not exist"),
     ("beauty_cpu.py", {"data.dir": "{tmp}/file"}, FileNotFoundError, "config.data.dir: .* is a file, not a directory"),
+    # A stage alone in a fresh workdir runs `data` first: data.dir is checked before anything runs.
+    ("beauty_cpu.py", {"stage": "sids"}, ValueError, "config.data.dir: is required"),
     ("demo.py", {"stage": "sids", "sids.encoder": "npy"}, ValueError, "config.sids.embeddings_npy: is required"),
     ("demo.py", {"stage": "sids", "sids.encoder": "npy", "sids.embeddings_npy": "{tmp}"}, FileNotFoundError,
      "config.sids.embeddings_npy: .* is a directory, not a file"),

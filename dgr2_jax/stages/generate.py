@@ -93,11 +93,11 @@ def _special_ids(model_config, tokenizer, block_size: int, model_dir: str) -> di
   if mask is None and MASK_TOKEN in vocab:
     mask = vocab[MASK_TOKEN]
   if block_size > 1 and mask is None:
-    raise ValueError(f"decode.block_size={block_size} needs a mask token, and {model_dir} has "
+    raise InputError(f"decode.block_size={block_size} needs a mask token, and {model_dir} has "
                      f"none (no dgr2.mask_token_id in config.json, no {MASK_TOKEN} in its "
                      "tokenizer); use decode.block_size=1 or convert with --mask_token")
   if mask is not None and not 0 <= mask < model_config.vocab_size:
-    raise ValueError(f"{model_dir}: mask token id {mask} is outside the vocabulary "
+    raise InputError(f"{model_dir}: mask token id {mask} is outside the vocabulary "
                      f"({model_config.vocab_size})")
   pad = model_config.pad_token_id
   if pad is None:
