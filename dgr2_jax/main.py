@@ -7,10 +7,16 @@
 
 Every config field can be overridden with `--config.a.b=value`. `config.stage` picks the entry
 point from `STAGES`; each stage module is imported only when it runs, so a missing optional stage
-does not break the others. `validate` checks the config before any work and names the field of
-the first problem it finds. `--config.dry_run=True` prints the mesh and per-device memory plan
-(launch/dry_run.py) and exits without allocating anything. Library logs (Orbax, TFDS) are kept
-at WARNING; `--verbosity=0` shows their INFO lines too.
+does not break the others; a stage asked for alone first runs the stages it reads that the workdir
+has not built. `validate` checks the config before any work and names the field of the first
+problem it finds; each config section is checked by the module that owns it, main only
+dispatches. `--config.dry_run=True` prints the mesh and per-device memory plan (launch/dry_run.py)
+and exits without allocating anything. Library logs (Orbax, TFDS) are kept at WARNING;
+`--verbosity=0` shows their INFO lines too.
+
+Every mistake is one line on stderr naming what to fix, no traceback: exit status 2 for the
+command line (a flag, a field, a value, a path, the config file), 1 for an input file that cannot
+be read (`fileio.InputError`) or a stage whose inputs are missing.
 """
 
 from __future__ import annotations
@@ -19,8 +25,6 @@ import importlib.util
 import os
 import sys
 
-# The stage registry (name -> module with `run(config, workdir)`, imported when it runs) lives with
-# the pipeline that chains the stages; main validates and dispatches.
 from dgr2_jax.fileio import InputError
 # The allowed values live with the code that uses them (re-exported for the tests that compare).
 from dgr2_jax.decode.sampler import KV_WRITES  # noqa: F401
@@ -30,6 +34,8 @@ from dgr2_jax.train.cft import WEIGHTINGS as LOSS_WEIGHTINGS  # noqa: F401
 from dgr2_jax.train.opd import STUDENT_CONTEXTS as OPD_STUDENT_CONTEXTS  # noqa: F401
 from dgr2_jax.train.opd import TEACHER_CACHES as OPD_TEACHER_CACHES  # noqa: F401
 from dgr2_jax.train.opd import TEACHERS as OPD_TEACHERS  # noqa: F401
+# The stage registry (name -> module with `run(config, workdir)`, imported when it runs) lives with
+# the pipeline that chains the stages; main validates and dispatches.
 from dgr2_jax.stages.pipeline import NO_WORKDIR, ORDER, STAGES, check_available, stage_fn  # noqa: F401
 
 USAGE, RUNTIME = 2, 1  # exit statuses: a mistake on the command line / in an input file
@@ -108,7 +114,7 @@ def run(config, workdir: str | None):
     return text
   from dgr2_jax.stages import pipeline
   first = [] if config.stage == "pipeline" else pipeline.missing_prerequisites(config, workdir, config.stage)
-  check_available(_runs(config) | set(first) if config.stage == "pipeline" else {config.stage, *first})
+  check_available(_runs(config) | set(first))
   if workdir:
     os.makedirs(workdir, exist_ok=True)
   for s in first:
@@ -128,6 +134,7 @@ def fail(msg, status: int):
 
 
 def main(argv):
+  # (Process-level initialisation, e.g. multi-host, goes first, here.)
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}: every setting is a --config.<field>=value flag", USAGE)
   from absl import flags

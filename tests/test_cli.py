@@ -125,6 +125,7 @@ PATH_CASES = [
     ("demo.py", {"stage": "rl", "rl.init_from": "{tmp}"}, FileNotFoundError, "config.rl.init_from: .* has no config.json"),
     ("demo.py", {"stage": "teacher_rl", "teacher_rl.init_from": "{tmp}/absent"}, FileNotFoundError,
      "config.teacher_rl.init_from: model directory"),
+    ("demo.py", {"eval.output_dir": "{tmp}/file"}, ValueError, "config.eval.output_dir: .* is a file"),
     ("demo.py", {"decode.mode": "speculative", "decode.verifier_dir": "{tmp}/absent"}, FileNotFoundError,
      "config.decode.verifier_dir: verifier model directory"),
     ("demo.py", {"stage": "bench", "bench.model_dir": "{tmp}"}, FileNotFoundError, "config.bench.model_dir: .* has no config.json"),

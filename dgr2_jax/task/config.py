@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import ml_collections
 
 
@@ -88,6 +90,8 @@ def validate_eval(config, runs: set) -> None:
     return
   checks.one_of(c, "eval", "split", SPLITS)
   checks.positive_int(c, "eval", "batch_size")
+  if c.eval.output_dir and os.path.isfile(c.eval.output_dir):
+    checks.fail("eval.output_dir", f"{c.eval.output_dir!r} is a file; give a directory (created if missing)")
   if c.get("stage") == "eval":
     if not c.eval.model_dir:
       checks.fail("eval.model_dir", "is required for config.stage='eval'")
