@@ -22,7 +22,7 @@ so the step holds O(chunk x V) logits, never O(rollouts x R x V). The teacher si
   * 'none': no cache; the AR teacher (frozen params passed to the train step) scores each
     micro-batch inside the loss, exactly, with the same chunking as the student. One update per
     batch of rollouts means the teacher runs once per trajectory either way, so this costs the
-    same teacher compute as building a cache and no cache memory (README: the measured table).
+    same teacher compute as building a cache and no cache memory (docs/memory.md: the measured table).
 Loss = sum over committed positions at or before the first EOS (`loss_mask`) of the KL, divided
 by their count in the batch (token-level mean; the count is metrics["denominator"], so gradient
 accumulation equals the big batch).
@@ -40,7 +40,7 @@ Student context (`opd.student_context`): the canvas the student's distribution a
   the number k). The teacher's target then echoes the student's own sample, and the teacher's
   doubt lands on the neighbour, which the student scores with the answer in view. 'prefix'
   gives both sides the same conditioning but trains a canvas the parallel decoder does not
-  visit. In the demo neither setting lowers the held-out KL reliably (README). Cost: 'prefix' needs
+  visit. In the demo neither setting lowers the held-out KL reliably (docs/results.md: the recipe figures). Cost: 'prefix' needs
   one canvas per token (`replay_max_segments` 0 or >= block size to be exact; fewer merges neighbouring
   tokens, see train/replay.py); benchmarks/replay_cost.py times canvases per block.
 
@@ -87,7 +87,7 @@ def opd_config() -> ml_collections.ConfigDict:
   c.steps = 0                  # 0 => epochs * train prompts // prompts_per_step
   # Teacher side (module docstring): 'full' cache, 'topk' cache of teacher_top_k + rest mass, or
   # 'none' (scored exactly inside the step: no cache, and at Qwen3's vocabulary less time per step
-  # than building a cache first; README, benchmarks/teacher_cache.py).
+  # than building a cache first; docs/memory.md, benchmarks/teacher_cache.py).
   c.teacher_cache = "none"
   c.teacher_top_k = 64  # teacher_cache='topk': teacher log-probs kept per position
   # Rows decoded per call of the decoder (0 = all prompts_per_step x rollouts_per_prompt at once):
