@@ -132,7 +132,7 @@ def function_comments(fn) -> dict[str, str]:
         local[var][field] = text
       for k, v in local[st.value.id].items():
         local[var][f"{field}.{k}"] = v
-    elif f is not None and f.__name__.endswith("_config"):  # c.section = section_config()
+    elif f is not None:  # c.section = section_config()
       for k, v in function_comments(f).items():
         local[var][f"{field}.{k}"] = v
       if text:
