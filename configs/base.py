@@ -27,23 +27,23 @@ def model_config() -> ml_collections.ConfigDict:
   (the architecture fields below are then ignored).
   """
   c = ml_collections.ConfigDict()
-  c.init_from = ""
-  c.vocab_size = 0
-  c.hidden_size = 64
-  c.intermediate_size = 128
-  c.num_hidden_layers = 2
-  c.num_attention_heads = 4
-  c.num_key_value_heads = 2
-  c.head_dim = 16
-  c.rms_norm_eps = 1e-6
-  c.rope_theta = 1_000_000.0
-  c.tie_word_embeddings = True
-  c.max_position_embeddings = 4096
+  c.init_from = ""  # '' = random init of the fields below; a model directory = its config and weights
+  c.vocab_size = 0  # 0 = len(tokenizer)
+  c.hidden_size = 64  # model width (the architecture fields are ignored with init_from)
+  c.intermediate_size = 128  # MLP width
+  c.num_hidden_layers = 2  # transformer layers
+  c.num_attention_heads = 4  # query heads
+  c.num_key_value_heads = 2  # K/V heads (grouped-query attention); divides num_attention_heads
+  c.head_dim = 16  # per-head width (even: rotary embeddings)
+  c.rms_norm_eps = 1e-6  # RMSNorm epsilon
+  c.rope_theta = 1_000_000.0  # rotary embedding base (Qwen3's)
+  c.tie_word_embeddings = True  # the LM head is the embedding matrix
+  c.max_position_embeddings = 4096  # longest position the model is configured for
   # Activations / matmuls / KV cache; 'auto' = param_dtype (a loaded checkpoint's own dtype: bf16
   # checkpoints decode in bf16). Logits, softmax statistics and log-probs are f32 in any case.
   c.dtype = "auto"
   c.param_dtype = "float32"  # stored parameters (master weights: train.param_dtype)
-  c.remat = False
+  c.remat = False  # recompute each layer in the backward pass (less memory, more compute)
   # Attention route (dgr2_jax/model/attention.py): 'xla' (dense, fastest for tiny CPU models),
   # 'blockwise' (no [T, S] array; any device), 'cudnn', 'splitkey' (decode attention split over
   # keys, docs/decode_attention.md), 'auto' (on GPUs splitkey for decode windows and cudnn for
@@ -60,12 +60,12 @@ def model_config() -> ml_collections.ConfigDict:
 def decode_config() -> ml_collections.ConfigDict:
   """Block-diffusion decoding (dgr2_jax.decode.sampler.DecodeConfig); block_size 1 = AR."""
   c = ml_collections.ConfigDict()
-  c.block_size = 32
-  c.threshold = 0.9
-  c.temperature = 0.0
-  c.top_k = 0
-  c.top_p = 1.0
-  c.max_new_tokens = 256
+  c.block_size = 32  # tokens decoded in parallel per block; 1 = AR (left to right)
+  c.threshold = 0.9  # tau: commit each masked position whose top probability >= tau (1.0: one a step)
+  c.temperature = 0.0  # 0 = greedy; > 0 samples
+  c.top_k = 0  # sampling: keep the k most likely tokens (0 = all)
+  c.top_p = 1.0  # sampling: nucleus mass (1.0 = all)
+  c.max_new_tokens = 256  # response slots decoded (a multiple of block_size)
   # Step budget per block (dgr2_jax.decode.sampler; 0 = none: tau alone decides, >= 1 commit per
   # step). The paper evaluates with 64 denoising steps for responses of ~180 tokens (~130
   # reasoning + the ranking): 8 steps for each of their 6 blocks of 32 is 48 <= 64, so 8 per block
@@ -75,7 +75,7 @@ def decode_config() -> ml_collections.ConfigDict:
   # 'threshold' (decode/sampler.py) | 'speculative' (decode/speculative.py: this model drafts,
   # `verifier_dir` verifies; '' = the workdir's AR teacher). Speculative output is the verifier's.
   c.mode = "threshold"
-  c.verifier_dir = ""
+  c.verifier_dir = ""  # mode='speculative': the verifying AR model ('' = the workdir's AR teacher)
   # How a finished block's clean K/V are written (decode/sampler.py): 'auto' = 'separate' on CPU,
   # 'fused' on accelerators; 'fused' | 'separate' force one.
   c.kv_write = "auto"
@@ -94,8 +94,8 @@ def teacher_rl_config() -> ml_collections.ConfigDict:
   """The AR teacher's RL (stage teacher_rl: GRPO/DAPO with B = 1 on the SFT model, the paper's GR2)."""
   from dgr2_jax.train import grpo
   c = grpo.rl_config()
-  c.lr = 1e-6
-  c.steps = 200
+  c.lr = 1e-6  # constant
+  c.steps = 200  # optimiser steps
   return c
 
 
@@ -103,16 +103,16 @@ def cft_config() -> ml_collections.ConfigDict:
   """Conversion fine-tuning (dgr2_jax.stages.cft, loss in dgr2_jax.train.cft)."""
   c = ml_collections.ConfigDict()
   c.init_from = ""          # '' => the previous model stage's dir (workdir/convert/model)
-  c.epochs = 3
+  c.epochs = 3  # passes over the training traces
   c.steps = 0               # > 0 overrides epochs
   c.lr = 0.0                # 0 => train.optimizer.peak_lr
   c.batch_size = 0          # 0 => train.batch_size
-  c.block_size = 32
+  c.block_size = 32  # block of the block-diffusion attention the model is trained for
   c.loss_weighting = "1/t"  # '1/t' (masked-diffusion ELBO) | 'none'
   c.eps = 1e-3              # t ~ U(eps, 1)
-  c.complementary_mask = False
-  c.reasoning_weight = 1.0
-  c.answer_weight = 1.0
+  c.complementary_mask = False  # also train on each mask's complement (two views per example)
+  c.reasoning_weight = 1.0  # loss weight of the reasoning tokens
+  c.answer_weight = 1.0  # loss weight of the answer tokens
   return c
 
 
@@ -131,8 +131,8 @@ def rl_config() -> ml_collections.ConfigDict:
 def bench_config() -> ml_collections.ConfigDict:
   """Speed/accuracy frontier (dgr2_jax.stages.bench)."""
   c = ml_collections.ConfigDict()
-  c.thresholds = (1.0, 0.9, 0.6, 0.4)
-  c.block_sizes = (32,)
+  c.thresholds = (1.0, 0.9, 0.6, 0.4)  # tau of each diffusion row of the frontier
+  c.block_sizes = (32,)  # block sizes benchmarked (each divides decode.max_new_tokens)
   c.include_ar = True        # the AR row (block 1, the SFT model): the speedup reference
   c.model_dir = ""           # '' => the last model stage of pipeline.stages (rl/opd/cft/convert)
   c.ar_model_dir = ""        # '' => workdir/sft/model
@@ -169,9 +169,9 @@ def hardware_config() -> ml_collections.ConfigDict:
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.stage = "pipeline"
-  c.seed = 0
-  c.dry_run = False
+  c.stage = "pipeline"  # 'pipeline' (every stage of pipeline.stages), one stage, or 'generate'
+  c.seed = 0  # seed of every random choice of the run
+  c.dry_run = False  # print the mesh and per-device memory plan, then exit (allocates nothing)
   c.data = data_config.data_config()
   c.sids = data_config.sids_config()
   c.retriever = data_config.retriever_config()

@@ -14,7 +14,7 @@ training user kept (target inserted when the retriever missed it), responses of 
 real names make them ~76 tokens). The ladder is on every test user whose target the retriever
 puts in its top 10 (1,896 with this SASRec), as in the paper (n = 1,615 there).
 The model is the demo's 3-layer, 64-wide Qwen3, so this is the recipe's shape on real data, not
-the paper's accuracy (README: the table beside the paper's Q1).
+the paper's accuracy (docs/results.md: the table beside the paper's Q1).
 Same variants as demo.py after ':'.
 """
 
@@ -36,7 +36,7 @@ def get_config(arg: str = ""):
   c.sids.hidden_dims = (512, 256, 128)
   c.sids.batch_size = 1024
   c.sids.num_steps = 3000
-  # The paper's retriever: a converged SASRec (README: test Recall@10 0.0848, 1,896 test users with
+  # The paper's retriever: a converged SASRec (docs/results.md: test Recall@10 0.0848, 1,896 test users with
   # the target in the top 10, pre-rank Recall@1 0.284; the paper's 0.281 on 1,615).
   c.retriever.hidden = 64
   c.retriever.batch_size = 128

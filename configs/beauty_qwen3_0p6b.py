@@ -53,7 +53,7 @@ def paper_config(arg: str, *, fsdp: int, batch_size: int, grad_accum: int, on_po
   c.opd.rollouts_per_prompt = 4
   c.opd.lr = 1e-6
   c.opd.prompts_per_step = 128
-  # The teacher scored exactly inside the step (no cache: README, benchmarks/teacher_cache.py),
+  # The teacher scored exactly inside the step (no cache: docs/memory.md, benchmarks/teacher_cache.py),
   # rollouts decoded 64 rows (8 per GPU) at a time, and the 512 rollouts of a step accumulated in
   # micro-batches (launch/dry_run.py prints what each stage holds per device).
   c.opd.teacher_cache = "none"

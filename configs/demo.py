@@ -53,7 +53,7 @@ def get_config(arg: str = ""):
   c.task.rationale_knows_target = False
   # The answer lists candidate numbers ('#k' of the prompt) instead of 3-token SIDs: a 3-layer
   # model cannot learn to copy ten SIDs by position under parallel denoising within the demo's
-  # budget (CFT reached 65% valid with SIDs, see README). Real presets keep answer_ids='sid'.
+  # budget (CFT reached 65% valid with SIDs, see docs/architecture.md). Real presets keep answer_ids='sid'.
   c.task.answer_ids = "number"
   c.task.max_history = 2
   c.task.prompt_len = 128
@@ -75,7 +75,7 @@ def get_config(arg: str = ""):
   c.eval.batch_size = 32
   c.cft.epochs = 0
   c.cft.steps = 400
-  # OPD: 32 steps of 8 prompts x 4 rollouts at lr 3e-5 (README: held-out KL of the settings tried).
+  # OPD: 32 steps of 8 prompts x 4 rollouts at lr 3e-5 (docs/results.md: the recipe figures).
   c.opd.prompts_per_step = 8
   c.opd.rollouts_per_prompt = 4
   c.opd.steps = 32

@@ -59,3 +59,8 @@ def read_done(path: str) -> dict | None:
     return None
   with open(done) as f:
     return json.load(f)
+
+
+class InputError(ValueError):
+  """A file the user gave (or a stage wrote) cannot be read: truncated, not the format it should
+  be. The message names the file; the command line prints it as one line (exit status 1)."""

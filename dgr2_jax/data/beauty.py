@@ -26,6 +26,8 @@ import os
 import re
 from typing import Any, Iterator
 
+from dgr2_jax.fileio import InputError
+
 TSV_INTERACTIONS = ("interactions.tsv.gz", "interactions.tsv")
 TSV_ITEMS = ("items.jsonl",)
 MCAULEY_REVIEWS = ("reviews_Beauty_5.json.gz", "reviews_Beauty_5.json")
@@ -91,7 +93,7 @@ def _clean_price(x: Any, where: str) -> float | None:
   try:
     return float(x)
   except (TypeError, ValueError):
-    raise ValueError(f"{where}: price {x!r} is not a number") from None
+    raise InputError(f"{where}: price {x!r} is not a number") from None
 
 
 def item_record(raw_id: str, d: dict, where: str) -> dict:
@@ -101,7 +103,7 @@ def item_record(raw_id: str, d: dict, where: str) -> dict:
     paths = [list(p) for p in cats]
     cats = next((p for p in paths if p and p[0] == "Beauty"), paths[0])
   if not isinstance(cats, (list, tuple)) or not all(isinstance(c, str) for c in cats):
-    raise ValueError(f"{where}: categories must be a list of strings (or of lists), got {cats!r}")
+    raise InputError(f"{where}: categories must be a list of strings (or of lists), got {cats!r}")
   return {
       "raw_id": raw_id,
       "asin": str(d.get("asin") or ""),
@@ -122,19 +124,19 @@ def read_tsv(paths: dict[str, str]) -> tuple[list[tuple[str, str, int, int]], di
     if header is None:
       header = f
       if f[:3] != ["user_id", "item_id", "timestamp"]:
-        raise ValueError(f"{path}:{n}: header must start with user_id<TAB>item_id<TAB>timestamp, got {line!r}")
+        raise InputError(f"{path}:{n}: header must start with user_id<TAB>item_id<TAB>timestamp, got {line!r}")
       has_pos = len(f) > 3 and f[3] == "position"
       continue
     if len(f) != len(header):
-      raise ValueError(f"{path}:{n}: expected {len(header)} tab-separated fields, got {len(f)}: {line!r}")
+      raise InputError(f"{path}:{n}: expected {len(header)} tab-separated fields, got {len(f)}: {line!r}")
     try:
       ts = int(f[2])
       order = int(f[3]) if has_pos else len(rows)
     except ValueError:
-      raise ValueError(f"{path}:{n}: timestamp/position must be integers: {line!r}") from None
+      raise InputError(f"{path}:{n}: timestamp/position must be integers: {line!r}") from None
     rows.append((f[0], f[1], ts, order))
   if not rows:
-    raise ValueError(f"{path}: no interactions")
+    raise InputError(f"{path}: no interactions")
   ipath = paths["items"]
   items = {}
   for n, line in _lines(ipath):
@@ -142,9 +144,9 @@ def read_tsv(paths: dict[str, str]) -> tuple[list[tuple[str, str, int, int]], di
     try:
       d = json.loads(line)
     except json.JSONDecodeError as e:
-      raise ValueError(f"{where}: malformed JSON ({e.msg})") from None
+      raise InputError(f"{where}: malformed JSON ({e.msg})") from None
     if not isinstance(d, dict) or "item_id" not in d:
-      raise ValueError(f"{where}: expected a JSON object with an item_id")
+      raise InputError(f"{where}: expected a JSON object with an item_id")
     items[str(d["item_id"])] = item_record(str(d["item_id"]), d, where)
   return rows, items
 
@@ -161,26 +163,26 @@ def read_mcauley(paths: dict[str, str]) -> tuple[list[tuple[str, str, int, int]]
       d = json.loads(line)
       rows.append((str(d["reviewerID"]), str(d["asin"]), int(d["unixReviewTime"]), len(rows)))
     except json.JSONDecodeError as e:
-      raise ValueError(f"{path}:{n}: malformed JSON ({e.msg})") from None
+      raise InputError(f"{path}:{n}: malformed JSON ({e.msg})") from None
     except (KeyError, TypeError, ValueError):
-      raise ValueError(f"{path}:{n}: need reviewerID, asin and an integer unixReviewTime") from None
+      raise InputError(f"{path}:{n}: need reviewerID, asin and an integer unixReviewTime") from None
   if not rows:
-    raise ValueError(f"{path}: no interactions")
+    raise InputError(f"{path}: no interactions")
   wanted = {r[1] for r in rows}
   mpath = paths["meta"]
   items = {}
   for n, line in _lines(mpath):
     m = _ASIN_RE.search(line)
     if m is None:
-      raise ValueError(f"{mpath}:{n}: no 'asin' field")
+      raise InputError(f"{mpath}:{n}: no 'asin' field")
     if m.group(1) not in wanted:  # the metadata covers far more items than the 5-core
       continue
     try:
       d = ast.literal_eval(line)
     except (ValueError, SyntaxError):
-      raise ValueError(f"{mpath}:{n}: malformed Python dict literal") from None
+      raise InputError(f"{mpath}:{n}: malformed Python dict literal") from None
     if not isinstance(d, dict):
-      raise ValueError(f"{mpath}:{n}: expected a dict literal")
+      raise InputError(f"{mpath}:{n}: expected a dict literal")
     items[str(d["asin"])] = item_record(str(d["asin"]), d, f"{mpath}:{n}")
   return rows, items
 
@@ -211,7 +213,7 @@ def process(rows: list, items: dict[str, dict], min_count: int = 5, where: str =
   """
   rows = k_core(rows, min_count)
   if not rows:
-    raise ValueError(f"no interactions left after the {min_count}-core filter")
+    raise InputError(f"no interactions left after the {min_count}-core filter")
   by_user: dict[str, list] = {}
   for r in rows:  # dict keeps first-appearance order
     by_user.setdefault(r[0], []).append(r)
@@ -229,7 +231,7 @@ def process(rows: list, items: dict[str, dict], min_count: int = 5, where: str =
   out_items = []
   for raw, idx in item_index.items():
     if raw not in items:
-      raise ValueError(f"item id {raw!r} from the interactions does not resolve in {where}")
+      raise InputError(f"item id {raw!r} from the interactions does not resolve in {where}")
     out_items.append({"item": idx, **items[raw]})
   return {"users": list(by_user), "items": out_items, "sequences": sequences, "timestamps": timestamps}
 

@@ -27,6 +27,8 @@ import numpy as np
 import optax
 import tqdm
 
+from dgr2_jax.fileio import InputError
+
 LEVEL_NAMES = "abcdefgh"
 
 
@@ -79,12 +81,15 @@ def load_npy(path: str, n_items: int) -> np.ndarray:
     raise ValueError("sids.encoder='npy' needs sids.embeddings_npy")
   if not os.path.exists(path):
     raise FileNotFoundError(f"sids.embeddings_npy {path!r} does not exist")
-  emb = np.load(path)
+  try:
+    emb = np.load(path)
+  except (ValueError, OSError, EOFError) as e:  # truncated or not an .npy file
+    raise InputError(f"sids.embeddings_npy {path!r} is not a readable .npy array ({e})") from None
   if emb.ndim != 2 or emb.shape[0] != n_items:
-    raise ValueError(f"sids.embeddings_npy {path!r} has shape {emb.shape}; expected [{n_items}, D] "
+    raise InputError(f"sids.embeddings_npy {path!r} has shape {emb.shape}; expected [{n_items}, D] "
                      f"(one row per item, in item-index order)")
   if not np.all(np.isfinite(emb)):
-    raise ValueError(f"sids.embeddings_npy {path!r} has non-finite values")
+    raise InputError(f"sids.embeddings_npy {path!r} has non-finite values")
   return emb.astype(np.float32)
 
 

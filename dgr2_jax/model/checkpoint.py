@@ -32,6 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from dgr2_jax import multihost
+from dgr2_jax.fileio import InputError
 from dgr2_jax.model import qwen3
 from dgr2_jax.model.config import Qwen3Config
 
@@ -457,9 +458,13 @@ def load_model_dir(path: str, dtype=None, progress: bool = False,
   """
   fmt = detect_format(path)
   dtype = None if dtype is None else np.dtype(dtype)
-  if fmt != "hf":
-    return _load_ours(path, dtype, shardings)
-  config, params = _load_hf(path, dtype, progress)
+  try:
+    if fmt != "hf":
+      return _load_ours(path, dtype, shardings)
+    config, params = _load_hf(path, dtype, progress)
+  except ValueError as e:  # a bad file (truncated, corrupt, mismatched): one line naming it
+    msg = " ".join(str(e).split())
+    raise InputError(msg if msg.startswith(path) else f"{path}: cannot load the model ({msg})") from e
   if shardings is not None:
     import jax
     params = jax.device_put(params, shardings(config))

@@ -260,3 +260,37 @@ class Qwen3Config:
         "torch_dtype": self.param_dtype,
         "dgr2": {k: getattr(self, k) for k in DIFFUSION_KEYS},
     }
+
+
+def validate(config, runs: set) -> None:
+  """Checks the `model` config section (the architecture only when `init_from` is empty)."""
+  from dgr2_jax import checks
+  c = config
+  if "model" not in c:
+    return
+  m = c.model
+  checks.one_of(c, "model", "dtype", COMPUTE_DTYPES)
+  checks.one_of(c, "model", "param_dtype", tuple(_DTYPES))
+  if "logits_budget_bytes" in m:
+    checks.positive_int(c, "model", "logits_budget_bytes")
+  if "attention_k_splits" in m:
+    checks.positive_int(c, "model", "attention_k_splits", 0)
+  if "attention_impl" in m:
+    checks.one_of(c, "model", "attention_impl", ATTENTION_IMPLS)
+  if m.get("remat_policy"):
+    checks.one_of(c, "model", "remat_policy", REMAT_POLICIES)
+  if "logits_chunk" in m:
+    checks.positive_int(c, "model", "logits_chunk", 0)
+  if m.init_from:
+    if "sft" in runs:
+      checks.model_dir("model.init_from", m.init_from)
+    return
+  for f in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim"):
+    checks.positive_int(c, "model", f)
+  checks.positive_int(c, "model", "vocab_size", 0)
+  if m.num_attention_heads % m.num_key_value_heads:
+    checks.fail("model.num_key_value_heads", f"({m.num_key_value_heads}) must divide "
+                f"model.num_attention_heads ({m.num_attention_heads})")
+  if m.head_dim % 2:
+    checks.fail("model.head_dim", f"must be even (rotary embeddings), got {m.head_dim}")

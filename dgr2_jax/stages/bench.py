@@ -233,3 +233,36 @@ def run(config, workdir: str) -> dict:
                                               devices=dmesh.describe(dmesh.from_config(config))))
     common.write_json_atomic(os.path.join(tmp, "frontier.json"), obj)
   return obj
+
+
+def validate(config, runs: set) -> None:
+  """Checks the `bench` config section (model directories only when the bench stage runs)."""
+  from dgr2_jax import checks
+  c = config
+  if "bench" not in c:
+    return
+  b = c.bench
+  if not b.thresholds:
+    checks.fail("bench.thresholds", "must not be empty")
+  for tau in b.thresholds:
+    if not 0.0 < float(tau) <= 1.0:
+      checks.fail("bench.thresholds", f"every threshold must be in (0, 1], got {tau}")
+  for bsz in b.get("batch_sizes", (0,)):
+    if not checks.is_int(bsz, 0):
+      checks.fail("bench.batch_sizes", f"every batch size must be an int >= 0 (0 = eval.batch_size), got {bsz!r}")
+  if not checks.is_int(b.get("timing_rounds", 5), 1):
+    checks.fail("bench.timing_rounds", f"must be an int >= 1, got {b.timing_rounds!r}")
+  if not checks.is_int(b.get("timing_batches", 0), 0):
+    checks.fail("bench.timing_batches", f"must be an int >= 0 (0 = every batch), got {b.timing_batches!r}")
+  for bs in b.block_sizes:
+    if not checks.is_int(bs, 1):
+      checks.fail("bench.block_sizes", f"every block size must be an int >= 1, got {bs!r}")
+    if "decode" in c and c.decode.max_new_tokens % bs:
+      checks.fail("bench.block_sizes", f"block size {bs} does not divide decode.max_new_tokens "
+                  f"({c.decode.max_new_tokens})")
+  if b.split:
+    checks.one_of(c, "bench", "split", ("train", "valid", "test"))
+  if "bench" in runs:
+    for f in ("model_dir", "ar_model_dir"):
+      if b[f]:
+        checks.model_dir(f"bench.{f}", b[f])

@@ -33,6 +33,8 @@ import tempfile
 import numpy as np
 import tqdm
 
+from dgr2_jax.fileio import InputError
+
 PROMPT_ROUND = 64
 MASK_TOKEN = "<|mask|>"
 EOS_TOKEN = "<|im_end|>"
@@ -44,45 +46,45 @@ def read_prompts(path: str, tokenizer, enable_thinking: bool = True) -> list[lis
   with open(path) as f:
     for n, line in enumerate(f, 1):
       if not line.strip():
-        raise ValueError(f"{path}:{n}: empty line (expected one JSON object per line)")
+        raise InputError(f"{path}:{n}: empty line (expected one JSON object per line)")
       where = f"{path}:{n}"
       try:
         d = json.loads(line)
       except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+        raise InputError(f"{where}: not valid JSON ({e.msg})") from None
       if not isinstance(d, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        raise InputError(f"{where}: expected a JSON object, got {type(d).__name__}")
       kinds = [k for k in ("prompt_ids", "prompt", "messages") if k in d]
       if len(kinds) != 1:
-        raise ValueError(f"{where}: expected exactly one of prompt_ids, prompt, messages; "
+        raise InputError(f"{where}: expected exactly one of prompt_ids, prompt, messages; "
                          f"got keys {sorted(d)}")
       kind, v = kinds[0], d[kinds[0]]
       if kind == "prompt_ids":
         if not isinstance(v, list) or not v or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
-          raise ValueError(f"{where}: prompt_ids must be a non-empty list of ints >= 0")
+          raise InputError(f"{where}: prompt_ids must be a non-empty list of ints >= 0")
         ids = list(v)
       else:
         if tokenizer is None:
-          raise ValueError(f"{where}: a {kind!r} line needs a tokenizer in the model directory")
+          raise InputError(f"{where}: a {kind!r} line needs a tokenizer in the model directory")
         if kind == "prompt":
           if not isinstance(v, str) or not v:
-            raise ValueError(f"{where}: prompt must be a non-empty string")
+            raise InputError(f"{where}: prompt must be a non-empty string")
           ids = list(tokenizer.encode(v, add_special_tokens=False))
         else:
           if not isinstance(v, list) or not v or not all(
               isinstance(m, dict) and isinstance(m.get("role"), str)
               and isinstance(m.get("content"), str) for m in v):
-            raise ValueError(f"{where}: messages must be a non-empty list of "
+            raise InputError(f"{where}: messages must be a non-empty list of "
                              "{\"role\": str, \"content\": str}")
           text = tokenizer.apply_chat_template(v, tokenize=False, add_generation_prompt=True,
                                                enable_thinking=enable_thinking)
           ids = list(tokenizer.encode(text, add_special_tokens=False))
         if not ids:
-          raise ValueError(f"{where}: the {kind} encodes to no tokens")
+          raise InputError(f"{where}: the {kind} encodes to no tokens")
       prompts.append(ids)
   if not prompts:
-    raise ValueError(f"{path}: no prompts")
+    raise InputError(f"{path}: no prompts")
   return prompts
 
 
@@ -93,11 +95,11 @@ def _special_ids(model_config, tokenizer, block_size: int, model_dir: str) -> di
   if mask is None and MASK_TOKEN in vocab:
     mask = vocab[MASK_TOKEN]
   if block_size > 1 and mask is None:
-    raise ValueError(f"decode.block_size={block_size} needs a mask token, and {model_dir} has "
+    raise InputError(f"decode.block_size={block_size} needs a mask token, and {model_dir} has "
                      f"none (no dgr2.mask_token_id in config.json, no {MASK_TOKEN} in its "
                      "tokenizer); use decode.block_size=1 or convert with --mask_token")
   if mask is not None and not 0 <= mask < model_config.vocab_size:
-    raise ValueError(f"{model_dir}: mask token id {mask} is outside the vocabulary "
+    raise InputError(f"{model_dir}: mask token id {mask} is outside the vocabulary "
                      f"({model_config.vocab_size})")
   pad = model_config.pad_token_id
   if pad is None:
@@ -182,7 +184,7 @@ def run(config, workdir: str | None = None) -> str:
   for n, p in enumerate(prompts, 1):
     bad = [t for t in p if t >= model_config.vocab_size]
     if bad:
-      raise ValueError(f"{config.input}:{n}: token id {bad[0]} is outside the vocabulary "
+      raise InputError(f"{config.input}:{n}: token id {bad[0]} is outside the vocabulary "
                        f"({model_config.vocab_size})")
   d = config.decode
   dcfg = sampler.decode_config_from(d, **_special_ids(model_config, tokenizer, int(d.block_size), config.model_dir))
@@ -208,3 +210,23 @@ def run(config, workdir: str | None = None) -> str:
                                      for r in recs])
   print(f"generate: {len(recs)} outputs -> {config.output}", flush=True)
   return config.output
+
+
+def validate(config, runs: set) -> None:
+  """Checks the generate preset's fields (configs/generate.py) when the generate stage runs."""
+  from dgr2_jax import checks
+  c = config
+  if "generate" not in runs:
+    return
+  for f in ("model_dir", "input", "output"):
+    if not c.get(f):
+      checks.fail(f, "is required for config.stage='generate'")
+  checks.model_dir("model_dir", c.model_dir)
+  checks.is_file("input", c.input, "input file")
+  if os.path.isdir(c.output):
+    checks.fail("output", f"{c.output!r} is a directory; give the JSONL file to write")
+  checks.is_dir("output", os.path.dirname(os.path.abspath(c.output)), "output folder")
+  if not checks.is_int(c.batch_size, 1):
+    checks.fail("batch_size", f"must be an int >= 1, got {c.batch_size!r}")
+  if not checks.is_int(c.max_prompt_len, 0):
+    checks.fail("max_prompt_len", f"must be an int >= 0 (0 = automatic), got {c.max_prompt_len!r}")

@@ -81,6 +81,40 @@ def stage_fn(name: str):
   return module.run
 
 
+def validate(config, runs: set) -> None:
+  """Checks `pipeline.stages`: known stages, in the fixed order, each once."""
+  del runs
+  from dgr2_jax import checks
+  if "pipeline" not in config:
+    return
+  stages = tuple(config.pipeline.stages)
+  for s in stages:
+    if s not in ORDER:
+      checks.fail("pipeline.stages", f"{s!r} is not a pipeline stage; known: {list(ORDER)}")
+  if list(stages) != sorted(stages, key=ORDER.index) or len(set(stages)) != len(stages):
+    checks.fail("pipeline.stages", f"must be a subsequence of {list(ORDER)}, got {list(stages)}")
+
+
+# What a stage run alone reads from the workdir besides its own section's paths: eval and bench
+# read the traces (their models are named by eval.model_dir / bench.*model_dir or are the chain's
+# built models), and so does a model stage whose `init_from` names its starting model; every other
+# stage reads the enabled stages before it.
+_DATA_STAGES = ("data", "sids", "retriever", "traces")
+
+
+def missing_prerequisites(config, workdir: str, stage: str) -> list[str]:
+  """Enabled stages (in order) that `stage`, asked for alone, needs and `workdir` has not built."""
+  if stage not in ORDER or not workdir:
+    return []
+  on = enabled_stages(config)
+  section = config.get(stage) or {}
+  if stage in ("eval", "bench") or section.get("init_from"):  # the model is named, not the chain's
+    needed = [s for s in _DATA_STAGES if s in on]
+  else:
+    needed = [s for s in on if ORDER.index(s) < ORDER.index(stage)]
+  return [s for s in needed if common.read_done(common.stage_dir(workdir, s)) is None]
+
+
 def ladder_methods(config) -> list[tuple[str, str]]:
   """[(method, model stage)] of the accuracy ladder for the enabled stages, in order."""
   on = enabled_stages(config)

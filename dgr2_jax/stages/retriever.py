@@ -22,6 +22,7 @@ import numpy as np
 
 from dgr2_jax.data import api
 from dgr2_jax.data import sasrec
+from dgr2_jax.fileio import InputError
 from dgr2_jax.stages import common
 
 
@@ -52,24 +53,24 @@ def read_candidates_file(path: str, sequences: list[list[int]], n_items: int, k:
         d = json.loads(line)
         u, split, c = d["user"], d["split"], d["candidates"]
       except (json.JSONDecodeError, KeyError, TypeError):
-        raise ValueError(f"{where}: expected a JSON object with user, split, candidates") from None
+        raise InputError(f"{where}: expected a JSON object with user, split, candidates") from None
       if split not in out:
-        raise ValueError(f"{where}: split must be one of {api.SPLITS}, got {split!r}")
+        raise InputError(f"{where}: split must be one of {api.SPLITS}, got {split!r}")
       if not isinstance(u, int) or not 0 <= u < n_users:
-        raise ValueError(f"{where}: user {u!r} does not resolve (users are 0..{n_users - 1})")
+        raise InputError(f"{where}: user {u!r} does not resolve (users are 0..{n_users - 1})")
       if (not isinstance(c, list) or len(c) != k
           or not all(isinstance(i, int) and 0 <= i < n_items for i in c)):
-        raise ValueError(f"{where}: candidates must be {k} item indices in 0..{n_items - 1}")
+        raise InputError(f"{where}: candidates must be {k} item indices in 0..{n_items - 1}")
       if len(set(c)) != k:
-        raise ValueError(f"{where}: duplicate candidates")
+        raise InputError(f"{where}: duplicate candidates")
       hist = set(sequences[u][:-cut[split]])
       if hist & set(c):
-        raise ValueError(f"{where}: candidates {sorted(hist & set(c))} are in the user's history")
+        raise InputError(f"{where}: candidates {sorted(hist & set(c))} are in the user's history")
       out[split][u] = c
   for split, a in out.items():
     missing = np.flatnonzero(a[:, 0] < 0)
     if missing.size:
-      raise ValueError(f"{path}: split {split!r} lacks users {missing[:5].tolist()}"
+      raise InputError(f"{path}: split {split!r} lacks users {missing[:5].tolist()}"
                        f"{'...' if missing.size > 5 else ''} ({missing.size} missing)")
   return out
 

@@ -14,8 +14,11 @@ The same task code runs unchanged on a real Qwen3 tokenizer directory (its own t
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Iterable, Sequence
+
+from dgr2_jax.fileio import InputError
 
 PAD = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -115,7 +118,19 @@ def load_tokenizer(path: str):
   import transformers
   if not os.path.isdir(path):
     raise FileNotFoundError(f"tokenizer directory not found: {path}")
-  return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+  for name in ("tokenizer.json", "tokenizer_config.json"):  # a truncated file: name it, not a traceback
+    file = os.path.join(path, name)
+    if os.path.isfile(file):
+      try:
+        with open(file, encoding="utf-8") as f:
+          json.load(f)
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{file}: not valid JSON ({e}); truncated? copy the tokenizer again") from None
+  try:
+    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    msg = " ".join(str(e).split())[:300]
+    raise InputError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {msg})") from None
 
 
 def token_ids(tokenizer) -> TokenIds:

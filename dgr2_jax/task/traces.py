@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from dgr2_jax.fileio import InputError
 from dgr2_jax.task import answer as answer_lib
 from dgr2_jax.task import metrics as metrics_lib
 from dgr2_jax.task import prompts as prompts_lib
@@ -140,12 +141,12 @@ def import_traces(lines: Iterable[str], examples: dict, items, sids, task_cfg, *
     try:
       rec = json.loads(line)
     except json.JSONDecodeError as e:
-      raise ValueError(f"{source_name}:{lineno}: not valid JSON ({e.msg})") from None
+      raise InputError(f"{source_name}:{lineno}: not valid JSON ({e.msg})") from None
     if not isinstance(rec, dict) or not isinstance(rec.get("response"), str):
-      raise ValueError(f"{source_name}:{lineno}: needs a string field 'response'")
+      raise InputError(f"{source_name}:{lineno}: needs a string field 'response'")
     key = rec.get("example_id", rec.get("user"))
     if not isinstance(key, int):
-      raise ValueError(f"{source_name}:{lineno}: needs an integer 'example_id' or 'user'")
+      raise InputError(f"{source_name}:{lineno}: needs an integer 'example_id' or 'user'")
     counts["read"] += 1
     ex = examples.get((rec.get("split", default_split), key))
     reason = "unknown_example" if ex is None else (
@@ -174,7 +175,7 @@ def read_jsonl(path: str) -> list[dict]:
         try:
           out.append(json.loads(line))
         except json.JSONDecodeError as e:
-          raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+          raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
   return out
 
 

@@ -87,3 +87,27 @@ def cft_loss(model_config, params, batch, rng, *, block_size: int, mask_id: int,
              "mask_rate": jnp.sum(masked) / jnp.maximum(jnp.sum(rmask), 1) / (2 if complementary else 1),
              "masked_acc": acc, "denominator": denom}
   return loss, metrics
+
+
+def _model_dirs(config, runs: set, section: str) -> None:
+  """The section's explicit model directories exist (checked only when its stage runs)."""
+  from dgr2_jax import checks
+  for f in ("init_from", "teacher_dir"):
+    if config[section].get(f) and section in runs:
+      checks.model_dir(f"{section}.{f}", config[section][f])
+
+
+def validate(config, runs: set) -> None:
+  """Checks the `cft` config section (and that task.response_len is whole blocks)."""
+  from dgr2_jax import checks
+  c = config
+  if "cft" not in c:
+    return
+  checks.positive_int(c, "cft", "block_size")
+  checks.one_of(c, "cft", "loss_weighting", WEIGHTINGS)
+  if not 0.0 < float(c.cft.eps) < 1.0:
+    checks.fail("cft.eps", f"must be in (0, 1), got {c.cft.eps}")
+  if "task" in c and c.task.response_len % c.cft.block_size:
+    checks.fail("task.response_len", f"({c.task.response_len}) must be a multiple of cft.block_size "
+                f"({c.cft.block_size})")
+  _model_dirs(c, runs, "cft")

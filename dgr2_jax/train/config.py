@@ -31,29 +31,29 @@ def train_config() -> ml_collections.ConfigDict:
   c.param_dtype = "float32"
 
   o = ml_collections.ConfigDict()
-  o.peak_lr = 1e-4
-  o.warmup_steps = 10
+  o.peak_lr = 1e-4  # AdamW peak learning rate
+  o.warmup_steps = 10  # linear warm-up from 0
   o.schedule = "cosine"  # 'cosine' (to end_lr_frac * peak_lr at total_steps) | 'constant'
-  o.end_lr_frac = 0.1
-  o.b1 = 0.9
-  o.b2 = 0.95
-  o.eps = 1e-8
+  o.end_lr_frac = 0.1  # cosine schedule's final learning rate / peak_lr
+  o.b1 = 0.9  # Adam beta1
+  o.b2 = 0.95  # Adam beta2
+  o.eps = 1e-8  # Adam epsilon
   o.weight_decay = 0.0  # decoupled (AdamW); applied to matrices only, not norms/biases
   o.clip_norm = 1.0  # global-norm gradient clipping; 0 disables
   c.optimizer = o
 
   m = ml_collections.ConfigDict()
   m.data = -1  # -1: all devices not used by the other axes
-  m.fsdp = 1
-  m.tensor = 1
+  m.fsdp = 1  # devices the parameters, gradients and optimiser state are sharded over
+  m.tensor = 1  # devices each matrix is split over (heads, MLP, vocabulary)
   c.mesh = m
-  c.logical_axis_rules = DEFAULT_RULES
+  c.logical_axis_rules = DEFAULT_RULES  # logical axis -> mesh axes (see DEFAULT_RULES above)
 
   c.checkpoint_every = 50  # steps; the final step is always saved
-  c.keep_checkpoints = 2
-  c.async_checkpointing = True
+  c.keep_checkpoints = 2  # most recent checkpoints kept
+  c.async_checkpointing = True  # write checkpoints in the background
   c.log_every = 1  # steps between metric records (JSONL/TensorBoard); the progress bar is per step
-  c.tensorboard = True
+  c.tensorboard = True  # also write TensorBoard event files
 
   s = ml_collections.ConfigDict()
   s.reasoning_weight = 1.0  # loss weight of tokens in <think>...</think>
@@ -70,3 +70,30 @@ def section(config, name: str, defaults):
     for k, v in (config.get(name) or {}).items():
       c[k] = v
   return c
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+SCHEDULES = ("cosine", "constant")
+
+
+def validate(config, runs: set) -> None:
+  """Checks `train` (batch, accumulation, dtype, schedule, mesh axes)."""
+  del runs  # no paths
+  from dgr2_jax import checks
+  c = config
+  if "train" not in c:
+    return
+  tr = c.train
+  checks.positive_int(c, "train", "total_steps")
+  checks.positive_int(c, "train", "batch_size")
+  checks.positive_int(c, "train", "grad_accum_steps")
+  if tr.batch_size % tr.grad_accum_steps:
+    checks.fail("train.batch_size", f"({tr.batch_size}) must be divisible by train.grad_accum_steps "
+                f"({tr.grad_accum_steps})")
+  checks.one_of(c, "train", "param_dtype", DTYPES)
+  if tr.optimizer.schedule not in SCHEDULES:
+    checks.fail("train.optimizer.schedule", f"must be one of {list(SCHEDULES)}, got "
+                f"{tr.optimizer.schedule!r}")
+  dims = [tr.mesh[a] for a in ("data", "fsdp", "tensor")]
+  if sum(d == -1 for d in dims) > 1 or any(d == 0 or d < -1 for d in dims):
+    checks.fail("train.mesh", f"each axis must be >= 1 and at most one -1, got {tr.mesh.to_dict()}")

@@ -39,14 +39,14 @@ def rl_config() -> ml_collections.ConfigDict:
   c.init_from = ""             # '' => the previous model stage's dir (workdir/opd/model normally)
   c.group_size = 8             # G
   c.lr = 5e-7                  # constant
-  c.steps = 600
+  c.steps = 600  # optimiser steps
   c.prompts_per_step = 16      # groups per step (batch rows = prompts_per_step * group_size)
   c.alpha = 0.2                # weight of the conditional format reward
   c.clip_eps = 0.2             # eps_low
   c.clip_eps_high = 0.2        # eps_high (DAPO clip-higher when > clip_eps)
   c.kl_coef = 0.0              # > 0: k3 KL to the starting (reference) model
   c.temperature = 1.0          # rollout sampling temperature
-  c.grad_accum_steps = 1
+  c.grad_accum_steps = 1  # micro-batches per optimiser step
   c.replay_max_segments = 8    # replay canvases per block: as opd.opd_config() explains
   c.rollout_batch_size = 0     # rows decoded per call (0 = all at once): as opd.opd_config() explains
   return c
@@ -125,3 +125,26 @@ def grpo_loss(model_config, params, batch: dict, rng=None, *, block_size: int, c
     raise ValueError("rl.kl_coef > 0 needs ref_logp in the batch")
   return ppo_terms(logp, batch["old_logp"], batch["advantages"], batch["loss_mask"], clip_low=clip_low,
                    clip_high=clip_high, kl_coef=kl_coef, ref_logp=ref)
+
+
+def validate(config, runs: set, section: str = "rl") -> None:
+  """Checks an RL config section: `rl` (the diffusion model's GRPO) or `teacher_rl` (the AR teacher's)."""
+  from dgr2_jax import checks
+  from dgr2_jax.train import cft
+  c = config
+  if section not in c:
+    return
+  cft._model_dirs(c, runs, section)  # pylint: disable=protected-access
+  checks.positive_int(c, section, "group_size", 2)
+  checks.positive_int(c, section, "steps")
+  checks.positive_int(c, section, "prompts_per_step")
+  if float(c[section].lr) <= 0:
+    checks.fail(f"{section}.lr", f"must be > 0, got {c[section].lr}")
+  if not 0.0 <= float(c[section].alpha) <= 1.0:
+    checks.fail(f"{section}.alpha", f"must be in [0, 1], got {c[section].alpha}")
+  for f in ("clip_eps", "clip_eps_high"):
+    if not 0.0 < float(c[section][f]) < 1.0:
+      checks.fail(f"{section}.{f}", f"must be in (0, 1), got {c[section][f]}")
+  if not checks.is_int(c[section].get("rollout_batch_size", 0), 0):
+    checks.fail(f"{section}.rollout_batch_size", f"must be an int >= 0 (0 = all rollouts at once), got "
+                f"{c[section].rollout_batch_size!r}")

@@ -22,7 +22,7 @@ so the step holds O(chunk x V) logits, never O(rollouts x R x V). The teacher si
   * 'none': no cache; the AR teacher (frozen params passed to the train step) scores each
     micro-batch inside the loss, exactly, with the same chunking as the student. One update per
     batch of rollouts means the teacher runs once per trajectory either way, so this costs the
-    same teacher compute as building a cache and no cache memory (README: the measured table).
+    same teacher compute as building a cache and no cache memory (docs/memory.md: the measured table).
 Loss = sum over committed positions at or before the first EOS (`loss_mask`) of the KL, divided
 by their count in the batch (token-level mean; the count is metrics["denominator"], so gradient
 accumulation equals the big batch).
@@ -40,7 +40,7 @@ Student context (`opd.student_context`): the canvas the student's distribution a
   the number k). The teacher's target then echoes the student's own sample, and the teacher's
   doubt lands on the neighbour, which the student scores with the answer in view. 'prefix'
   gives both sides the same conditioning but trains a canvas the parallel decoder does not
-  visit. In the demo neither setting lowers the held-out KL reliably (README). Cost: 'prefix' needs
+  visit. In the demo neither setting lowers the held-out KL reliably (docs/results.md: the recipe figures). Cost: 'prefix' needs
   one canvas per token (`replay_max_segments` 0 or >= block size to be exact; fewer merges neighbouring
   tokens, see train/replay.py); benchmarks/replay_cost.py times canvases per block.
 
@@ -82,20 +82,20 @@ def opd_config() -> ml_collections.ConfigDict:
   c.student_context = "replay"  # 'replay' (decode-time canvases) | 'prefix' (P, o_<t; see train/opd.py)
   c.rollouts_per_prompt = 4    # G'
   c.lr = 1e-6                  # constant
-  c.prompts_per_step = 128
-  c.epochs = 1
+  c.prompts_per_step = 128  # prompts per optimiser step (rows = prompts_per_step x rollouts_per_prompt)
+  c.epochs = 1  # passes over the training prompts
   c.steps = 0                  # 0 => epochs * train prompts // prompts_per_step
   # Teacher side (module docstring): 'full' cache, 'topk' cache of teacher_top_k + rest mass, or
   # 'none' (scored exactly inside the step: no cache, and at Qwen3's vocabulary less time per step
-  # than building a cache first; README, benchmarks/teacher_cache.py).
+  # than building a cache first; docs/memory.md, benchmarks/teacher_cache.py).
   c.teacher_cache = "none"
-  c.teacher_top_k = 64
+  c.teacher_top_k = 64  # teacher_cache='topk': teacher log-probs kept per position
   # Rows decoded per call of the decoder (0 = all prompts_per_step x rollouts_per_prompt at once):
   # the global batch of rollouts never has to fit in one decode; grad_accum_steps does the same
   # for the update.
   c.rollout_batch_size = 0
   c.temperature = 1.0          # rollout sampling temperature
-  c.grad_accum_steps = 1
+  c.grad_accum_steps = 1  # micro-batches per optimiser step
   # Replay canvases per block (see train/replay.py): the scorer's cost grows with the canvases
   # (benchmarks/replay_cost.py), so the default bounds it; blocks that used more steps are merged
   # (inexact, reported as replay_exact). 0 or block_size = always exact. 8 is exact under the
@@ -228,3 +228,30 @@ def opd_loss(student_config, params, batch: dict, rng=None, teacher_params=None,
   # Agreement of the argmaxes: a cheap readable progress signal next to the KL.
   agree = jnp.sum(m * agree) / jnp.maximum(denom, 1.0)
   return loss, {"kl_to_teacher": loss, "top1_agreement": agree, "tokens": denom, "denominator": denom}
+
+
+def validate(config, runs: set) -> None:
+  """Checks the `opd` config section."""
+  from dgr2_jax import checks
+  from dgr2_jax.train import cft
+  c = config
+  if "opd" not in c:
+    return
+  cft._model_dirs(c, runs, "opd")  # pylint: disable=protected-access
+  checks.positive_int(c, "opd", "rollouts_per_prompt")
+  checks.positive_int(c, "opd", "prompts_per_step")
+  checks.one_of(c, "opd", "teacher", TEACHERS)
+  if "student_context" in c.opd:
+    checks.one_of(c, "opd", "student_context", STUDENT_CONTEXTS)
+    if c.opd.teacher == "self_tau1" and c.opd.student_context != "replay":
+      checks.fail("opd.student_context", "must be 'replay' with opd.teacher='self_tau1'")
+  if float(c.opd.lr) <= 0:
+    checks.fail("opd.lr", f"must be > 0, got {c.opd.lr}")
+  if c.opd.get("teacher_cache", "full") not in TEACHER_CACHES:
+    checks.fail("opd.teacher_cache", f"must be one of {list(TEACHER_CACHES)}, got {c.opd.teacher_cache!r}")
+  if c.opd.get("teacher_cache", "full") == "none" and c.opd.teacher != "ar":
+    checks.fail("opd.teacher_cache", f"'none' scores the AR teacher in the step; teacher {c.opd.teacher!r} "
+                "needs 'full' or 'topk'")
+  if not checks.is_int(c.opd.get("rollout_batch_size", 0), 0):
+    checks.fail("opd.rollout_batch_size", f"must be an int >= 0 (0 = all rollouts at once), got "
+                f"{c.opd.rollout_batch_size!r}")
