@@ -47,20 +47,20 @@ def mesh_shape(section, num_devices: int) -> tuple[int, int]:
   for a, default in (("data", -1), ("tensor", 1)):
     v = section.get(a, default)
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < -1:
-      raise ValueError(f"decode.mesh.{a} must be an int >= -1 (0 or -1 = all remaining devices), got {v!r}")
+      raise ValueError(f"config.decode.mesh.{a} must be an int >= -1 (0 or -1 = all remaining devices), got {v!r}")
     dims[a] = -1 if int(v) in (0, -1) else int(v)
   free = [a for a in AXES if dims[a] == -1]
   if len(free) > 1:
-    raise ValueError("decode.mesh: at most one of data, tensor may be 0/-1 (all remaining devices), got "
+    raise ValueError("config.decode.mesh: at most one of data, tensor may be 0/-1 (all remaining devices), got "
                      f"data={dims['data']} tensor={dims['tensor']}")
   if free:
     known = dims[AXES[1 - AXES.index(free[0])]]
     if num_devices % known:
       other = AXES[1 - AXES.index(free[0])]
-      raise ValueError(f"decode.mesh.{other}={known} does not divide the {num_devices} devices")
+      raise ValueError(f"config.decode.mesh.{other}={known} does not divide the {num_devices} devices")
     dims[free[0]] = num_devices // known
   if dims["data"] * dims["tensor"] > num_devices:
-    raise ValueError(f"decode.mesh: data={dims['data']} x tensor={dims['tensor']} needs "
+    raise ValueError(f"config.decode.mesh: data={dims['data']} x tensor={dims['tensor']} needs "
                      f"{dims['data'] * dims['tensor']} devices, {num_devices} available")
   return dims["data"], dims["tensor"]
 
