@@ -67,6 +67,7 @@ flags.DEFINE_integer("block_size", 32, "the diffusion window")
 flags.DEFINE_integer("layers", 2, "layers compiled (>= 2); counts extrapolate to the full depth")
 flags.DEFINE_integer("commits", 4, "tokens per row and step of the diffusion/speculative roofline")
 flags.DEFINE_bool("check", False, "exit 1 naming each target missed")
+flags.DEFINE_bool("xla_cost", True, "compile each step alone for XLA's cost analysis (most of the run time)")
 flags.DEFINE_string("json_out", "", "also write the rows as JSON here")
 flags.DEFINE_string("hlo_dir", "", "also compile each decoder for this backend, write its optimised HLO "
                     "here and count the copies, converts and all-gathers inside its decode loop")
@@ -525,7 +526,9 @@ def measure(shape: str, program: str, batch: int) -> dict:
           f.write(text)
         res["loop_ops"] = loop_ops(text, leaves)
     slots = FLAGS.prompt_len + FLAGS.max_new_tokens
-    if program == "speculative":   # a round: the drafter's window step and the verifier's W+1 window
+    if not FLAGS.xla_cost:
+      costs[layers] = (float("nan"), float("nan"))
+    elif program == "speculative":   # a round: the drafter's window step and the verifier's W+1 window
       b1, f1 = cost(*step_program("diffusion", cfg, batch, slots, FLAGS.block_size))
       b2, f2 = cost(*step_program("diffusion", cfg, batch, slots + FLAGS.block_size, FLAGS.block_size + 1))
       costs[layers] = (b1 + b2, f1 + f2)
