@@ -25,7 +25,7 @@ SMOKE = ["python", "-m", "dgr2_jax.main", "--config=configs/demo.py:smoke"]
 HOST_STAGES = ("data", "sids", "retriever", "traces")
 MODEL_STAGES = ("sft", "teacher_rl", "convert", "cft", "opd", "rl")
 # Fields of a record that measure time, not results.
-TIMING = re.compile(r"(time|seconds|per_s|per_sec|_s$|speedup|written|run)")
+TIMING = re.compile(r"^(time|written|seconds|\w*_seconds|\w*_time_s|\w*tokens_per_s|\w*steps_per_sec|speedup)$")
 
 
 @pytest.fixture(scope="module")
