@@ -31,14 +31,15 @@ for ((i = 0; i < N; i++)); do
   ) &
   pids+=($!)
 done
-trap 'kill "${pids[@]}" 2>/dev/null' INT TERM
+# SIGKILL: jax.distributed treats SIGTERM as a preemption notice and keeps running.
+trap 'kill -KILL "${pids[@]}" 2>/dev/null' INT TERM
 status=0
 for ((n = 0; n < N; n++)); do
   wait -n
   rc=$?
   if [ "$rc" -ne 0 ]; then
     status=$rc
-    kill "${pids[@]}" 2>/dev/null
+    kill -KILL "${pids[@]}" 2>/dev/null
     break
   fi
 done

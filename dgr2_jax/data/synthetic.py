@@ -42,7 +42,8 @@ def generate(cfg, seed: int) -> tuple[list[tuple[str, str, int, int]], dict[str,
   items = {}
   item_leaf = np.zeros(cfg.num_items, np.int64)
   item_brand = np.zeros(cfg.num_items, np.int64)
-  top_price = {t: float(rng.uniform(5, 40)) for t in {l[0] for l in leaves}}
+  # sorted: a set of strings iterates in an order that changes with each process's hash seed
+  top_price = {t: float(rng.uniform(5, 40)) for t in sorted({l[0] for l in leaves})}
   for i in range(cfg.num_items):
     leaf = i % n_leaf if i < n_leaf else int(rng.integers(n_leaf))
     cands = [b for b in range(cfg.num_brands) if leaf in brand_leaves[b]]
