@@ -1,6 +1,7 @@
-"""The decode mesh (decode/mesh.py) on 8 simulated CPU devices: tensor-parallel decoding over 2, 4
-and 8 devices equals one device token for token (AR, threshold, speculative), and data-parallel
-decoding gives each device its own rows with outputs equal to one device.
+"""The decode mesh (decode/mesh.py) on simulated CPU devices: tensor-parallel decoding over 2, 4
+and 8 devices equals one device token for token (AR, threshold, speculative), data-parallel
+decoding (the generate and eval stages) gives each device its own rows with outputs equal to one
+device, and sampled rollouts on a training mesh (data x fsdp x tensor) equal one device's.
 
 Runs in a subprocess: XLA_FLAGS must set the CPU device count before jax initialises.
 """
@@ -79,6 +80,18 @@ res["dp_rows_match"] = all(np.array_equal(np.asarray(s.data), np.asarray(placed[
 p4 = dmesh.put_params(mesh, params)
 out = speculative.generate(cfg, p4, cfg, p4, prompts, dc(4, 0.7), mesh=mesh)
 res["dp_speculative_equal"] = same(out, ref["speculative"]) and out["tokens"].shape[0] == 3
+
+# Rollouts (OPD / RL) decode on the training mesh: data 2 x fsdp 2 x tensor 2, sampled.
+from dgr2_jax.train import config as tcl, mesh as train_mesh, rollouts
+tmesh = train_mesh.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+rules = tuple(tcl.train_config().logical_axis_rules)
+tparams = jax.device_put(params, train_mesh.param_shardings(params, tmesh, rules))
+toks, lens = sampler.left_pad(prompts + [prompts[0]], 16, 0)
+dcs = sampler.decode_config_for(cfg, block_size=4, threshold=0.7, max_new_tokens=8, eos_ids=(5,), temperature=1.0)
+a = rollouts.sample(cfg, params, toks, lens, dcs, jax.random.PRNGKey(7), group_size=2)
+b = rollouts.sample(cfg, tparams, toks, lens, dcs, jax.random.PRNGKey(7), group_size=2,
+                    batch_sharding=train_mesh.batch_sharding(tmesh, rules, 8))
+res["rollouts_equal"] = same(a, b) and len({tuple(x) for x in a["output_ids"]}) > 4
 print("RESULT " + json.dumps(res))
 """
 
@@ -172,6 +185,7 @@ def test_decode_mesh_equals_one_device():
   assert res["dp_equal"] and res["dp_speculative_equal"]
   assert res["dp_devices"] == [0, 1, 2, 3]                 # four devices, one shard each
   assert res["dp_rows"] == [[0, 1, 2, 3], [1, 1, 1, 1]] and res["dp_rows_match"]
+  assert res["rollouts_equal"]                             # sampled rollouts on a data x fsdp x tensor mesh
 
 
 @pytest.mark.parametrize("section,devices,want", [
