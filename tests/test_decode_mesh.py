@@ -203,3 +203,42 @@ def test_mesh_shape_errors(section, field):
   with pytest.raises(ValueError, match=field.replace(".", r"\.")) as e:
     dmesh.mesh_shape(section, 8)
   assert "\n" not in str(e.value)
+
+
+# Qwen3-8B's shape (36 layers, bf16) lowered with tensor=8 from shapes only: nothing allocated.
+_LOWER_CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import jax, jax.numpy as jnp, numpy as np
+from dgr2_jax.decode import mesh as dmesh, sampler
+from dgr2_jax.model import qwen3
+from dgr2_jax.model.config import Qwen3Config
+cfg = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, dtype="bfloat16",
+                  param_dtype="bfloat16", mask_token_id=151669, eos_token_id=151645, pad_token_id=151643)
+mesh = dmesh.make_mesh(1, 8)
+shapes = qwen3.param_shapes(cfg)
+params = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                                dmesh.param_shardings(mesh, shapes))
+per_dev = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+rows = dmesh.sharding(mesh, ("batch", None), (1, 2200))
+_, fn = sampler.decoder_for(cfg, sampler.decode_config_for(cfg, block_size=1, threshold=1.0, max_new_tokens=64), mesh)
+s = lambda d: jax.ShapeDtypeStruct((), d)
+text = fn.lower(params, jax.ShapeDtypeStruct((1, 2200), jnp.int32, sharding=rows),
+                jax.ShapeDtypeStruct((1,), jnp.int32, sharding=dmesh.sharding(mesh, ("batch",), (1,))),
+                s(jnp.float32), s(jnp.float32), s(jnp.int32), s(jnp.float32),
+                jax.ShapeDtypeStruct((2,), jnp.uint32), s(jnp.int32)).as_text()
+main = text[text.index("func.func public @main"):]
+main = main[:main.index("\n")]                      # the entry's signature: one sharding per argument
+split = main.count('sdy.sharding<@mesh, [{"tensor"}, {}]>') + main.count('sdy.sharding<@mesh, [{}, {"tensor"}]>')
+print("RESULT " + json.dumps({"per_dev": per_dev, "total": total, "sharded_args": split}))
+"""
+
+
+def test_qwen3_8b_lowers_with_tensor_8():
+  res = _run_child(_LOWER_CHILD, 8)
+  # Every matrix is split 8 ways (only the norms' scales are replicated): ~1/8 of 16.4 GB each.
+  assert res["total"] / 8 <= res["per_dev"] < res["total"] / 8 * 1.001
+  # 7 matrices per layer + the embedding and LM head enter the program split over the 8 devices.
+  assert res["sharded_args"] == 7 * 36 + 2
