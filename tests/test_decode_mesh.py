@@ -1,6 +1,7 @@
-"""The decode mesh (decode/mesh.py) on 8 simulated CPU devices: tensor-parallel decoding over 2, 4
-and 8 devices equals one device token for token (AR, threshold, speculative), and data-parallel
-decoding gives each device its own rows with outputs equal to one device.
+"""The decode mesh (decode/mesh.py) on simulated CPU devices: tensor-parallel decoding over 2, 4
+and 8 devices equals one device token for token (AR, threshold, speculative), data-parallel
+decoding (the generate and eval stages) gives each device its own rows with outputs equal to one
+device, and sampled rollouts on a training mesh (data x fsdp x tensor) equal one device's.
 
 Runs in a subprocess: XLA_FLAGS must set the CPU device count before jax initialises.
 """
@@ -79,6 +80,18 @@ res["dp_rows_match"] = all(np.array_equal(np.asarray(s.data), np.asarray(placed[
 p4 = dmesh.put_params(mesh, params)
 out = speculative.generate(cfg, p4, cfg, p4, prompts, dc(4, 0.7), mesh=mesh)
 res["dp_speculative_equal"] = same(out, ref["speculative"]) and out["tokens"].shape[0] == 3
+
+# Rollouts (OPD / RL) decode on the training mesh: data 2 x fsdp 2 x tensor 2, sampled.
+from dgr2_jax.train import config as tcl, mesh as train_mesh, rollouts
+tmesh = train_mesh.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+rules = tuple(tcl.train_config().logical_axis_rules)
+tparams = jax.device_put(params, train_mesh.param_shardings(params, tmesh, rules))
+toks, lens = sampler.left_pad(prompts + [prompts[0]], 16, 0)
+dcs = sampler.decode_config_for(cfg, block_size=4, threshold=0.7, max_new_tokens=8, eos_ids=(5,), temperature=1.0)
+a = rollouts.sample(cfg, params, toks, lens, dcs, jax.random.PRNGKey(7), group_size=2)
+b = rollouts.sample(cfg, tparams, toks, lens, dcs, jax.random.PRNGKey(7), group_size=2,
+                    batch_sharding=train_mesh.batch_sharding(tmesh, rules, 8))
+res["rollouts_equal"] = same(a, b) and len({tuple(x) for x in a["output_ids"]}) > 4
 print("RESULT " + json.dumps(res))
 """
 
@@ -172,6 +185,7 @@ def test_decode_mesh_equals_one_device():
   assert res["dp_equal"] and res["dp_speculative_equal"]
   assert res["dp_devices"] == [0, 1, 2, 3]                 # four devices, one shard each
   assert res["dp_rows"] == [[0, 1, 2, 3], [1, 1, 1, 1]] and res["dp_rows_match"]
+  assert res["rollouts_equal"]                             # sampled rollouts on a data x fsdp x tensor mesh
 
 
 @pytest.mark.parametrize("section,devices,want", [
@@ -189,3 +203,42 @@ def test_mesh_shape_errors(section, field):
   with pytest.raises(ValueError, match=field.replace(".", r"\.")) as e:
     dmesh.mesh_shape(section, 8)
   assert "\n" not in str(e.value)
+
+
+# Qwen3-8B's shape (36 layers, bf16) lowered with tensor=8 from shapes only: nothing allocated.
+_LOWER_CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import jax, jax.numpy as jnp, numpy as np
+from dgr2_jax.decode import mesh as dmesh, sampler
+from dgr2_jax.model import qwen3
+from dgr2_jax.model.config import Qwen3Config
+cfg = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, dtype="bfloat16",
+                  param_dtype="bfloat16", mask_token_id=151669, eos_token_id=151645, pad_token_id=151643)
+mesh = dmesh.make_mesh(1, 8)
+shapes = qwen3.param_shapes(cfg)
+params = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                                dmesh.param_shardings(mesh, shapes))
+per_dev = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+rows = dmesh.sharding(mesh, ("batch", None), (1, 2200))
+_, fn = sampler.decoder_for(cfg, sampler.decode_config_for(cfg, block_size=1, threshold=1.0, max_new_tokens=64), mesh)
+s = lambda d: jax.ShapeDtypeStruct((), d)
+text = fn.lower(params, jax.ShapeDtypeStruct((1, 2200), jnp.int32, sharding=rows),
+                jax.ShapeDtypeStruct((1,), jnp.int32, sharding=dmesh.sharding(mesh, ("batch",), (1,))),
+                s(jnp.float32), s(jnp.float32), s(jnp.int32), s(jnp.float32),
+                jax.ShapeDtypeStruct((2,), jnp.uint32), s(jnp.int32)).as_text()
+main = text[text.index("func.func public @main"):]
+main = main[:main.index("\n")]                      # the entry's signature: one sharding per argument
+split = main.count('sdy.sharding<@mesh, [{"tensor"}, {}]>') + main.count('sdy.sharding<@mesh, [{}, {"tensor"}]>')
+print("RESULT " + json.dumps({"per_dev": per_dev, "total": total, "sharded_args": split}))
+"""
+
+
+def test_qwen3_8b_lowers_with_tensor_8():
+  res = _run_child(_LOWER_CHILD, 8)
+  # Every matrix is split 8 ways (only the norms' scales are replicated): ~1/8 of 16.4 GB each.
+  assert res["total"] / 8 <= res["per_dev"] < res["total"] / 8 * 1.001
+  # 7 matrices per layer + the embedding and LM head enter the program split over the 8 devices.
+  assert res["sharded_args"] == 7 * 36 + 2

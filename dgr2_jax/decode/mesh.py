@@ -30,7 +30,9 @@ from __future__ import annotations
 import numpy as np
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+
+from dgr2_jax.train import mesh as train_mesh   # the logical-axis rules -> specs of training
 
 AXES = ("data", "tensor")
 # Logical axis -> mesh axes for decoding (train.mesh.logical_to_spec applies them). 'batch' over
@@ -102,13 +104,11 @@ def _rules(mesh: Mesh):
 
 def sharding(mesh: Mesh, logical, shape) -> NamedSharding:
   """NamedSharding of an array with logical axes `logical` (None = replicated dimension)."""
-  from dgr2_jax.train import mesh as train_mesh
   return NamedSharding(mesh, train_mesh.logical_to_spec(tuple(logical), tuple(shape), mesh, _rules(mesh)))
 
 
 def param_shardings(mesh: Mesh, params):
   """NamedSharding pytree of a parameter pytree (arrays or ShapeDtypeStructs) under RULES."""
-  from dgr2_jax.train import mesh as train_mesh
   return train_mesh.param_shardings(params, mesh, _rules(mesh))
 
 
