@@ -86,7 +86,10 @@ def decode_config() -> ml_collections.ConfigDict:
   # The decode mesh of eval, generate and bench (dgr2_jax/decode/mesh.py): `data` splits each
   # batch's rows, `tensor` the model (heads, MLP, vocabulary, KV cache); 0 or -1 = all remaining
   # devices. Default: every device decodes its own rows. An 8B model at batch 1: data=1, tensor=8.
-  c.mesh = ml_collections.ConfigDict({"data": -1, "tensor": 1})
+  m = ml_collections.ConfigDict()
+  m.data = -1   # devices that split each batch's rows; 0 or -1 = all remaining devices
+  m.tensor = 1  # devices that split the model (heads, MLP, vocabulary, KV cache); 0/-1 as above
+  c.mesh = m
   return c
 
 

@@ -114,7 +114,7 @@ def plan(config) -> dict:
   eval_rows = int(config.eval.batch_size)
   dec = config.get("decode")
   tk = config.task
-  d = _dtype_bytes(mc.dtype)
+  d = _dtype_bytes(mc.param_dtype if mc.dtype == "auto" else mc.dtype)  # 'auto': the params' dtype
   kv = mc.num_key_value_heads * mc.head_dim
   slots = int(tk.prompt_len) + (int(dec.max_new_tokens) if dec is not None else int(tk.response_len))
   kv_b = int(mc.num_hidden_layers * 2 * eval_rows * slots * kv * d)

@@ -69,7 +69,7 @@ def plan_stage(config, mc, stage: str, dims: tuple[int, int, int]) -> dict:
   lay = stage_layout(config, stage)
   rows = max(1, math.ceil(lay["rows"] / lay["micro"] / (data * fsdp)))
   t = lay["seq"]
-  d = _DTYPE_BYTES[mc.dtype]
+  d = _DTYPE_BYTES[mc.param_dtype if mc.dtype == "auto" else mc.dtype]  # 'auto': the params' dtype
   h, inter = mc.hidden_size, mc.intermediate_size
   q = mc.num_attention_heads * mc.head_dim / tensor
   kv = mc.num_key_value_heads * mc.head_dim / tensor
