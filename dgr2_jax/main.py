@@ -126,10 +126,17 @@ def run(config, workdir: str | None):
 
 def fail(msg, status: int):
   """One line on stderr naming what to fix, and the exit status (USAGE or RUNTIME)."""
-  print(f"{PROG}: {' '.join(str(msg).split())}", file=sys.stderr, flush=True)
-  if status == RUNTIME:  # a failed read can leave library threads (Orbax's event loop) that print
-    sys.stdout.flush()   # their own traceback at interpreter exit; nothing is left to clean up
+  line = f"{PROG}: {' '.join(str(msg).split())}\n"
+  if status == RUNTIME:
+    # A failed read can leave library threads (Orbax's event loop, tensorstore) that print their
+    # own traceback while we exit: stderr goes to /dev/null first, our line to the real stderr.
+    sys.stdout.flush()
+    real = os.dup(2)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    os.write(real, line.encode())
     os._exit(status)
+  sys.stderr.write(line)
+  sys.stderr.flush()
   sys.exit(status)
 
 
