@@ -68,9 +68,32 @@ def test_engine_ar_policies_equal_batch_decoder(tiny_lm):
   dec = slots_lib.SlotDecoder(cfg, params, dc, slots=2, prompt_slots=12)
   ref = sampler.generate(cfg, params, prompts, dc, max_prompt_len=12)
   for policy in engine_lib.POLICIES:
-    eng = engine_lib.Engine("ar", dec, steps_per_round=3, policy=policy)
-    out = _serve_all(eng, [engine_lib.Request(p) for p in prompts])
-    assert [o["output_ids"] for o in out] == ref["output_ids"], policy
+    for early_exit in (True, False):
+      eng = engine_lib.Engine("ar", dec, steps_per_round=3, policy=policy, early_exit=early_exit)
+      out = _serve_all(eng, [engine_lib.Request(p) for p in prompts])
+      assert [o["output_ids"] for o in out] == ref["output_ids"], (policy, early_exit)
+
+
+def test_engine_early_exit_ends_round_at_first_finish(block_decoder):
+  """With early_exit a round of up to 100 steps ends right after the step in which a row finishes
+  (the short request answers, its slot is free, the others keep their state); without it the
+  round runs until every row is done."""
+  p = _prompts(3, seed=2)
+  for early_exit in (True, False):
+    eng = engine_lib.Engine("threshold", block_decoder, steps_per_round=100, early_exit=early_exit)
+    short = engine_lib.Request(p[0], max_new_tokens=4)              # one block of 4
+    longs = [engine_lib.Request(q, max_new_tokens=16) for q in p[1:]]
+    for r in [short, *longs]:
+      eng.submit(r)
+    eng.run_round()
+    assert short.future.done()
+    if early_exit:
+      assert short.future.result(0)["steps"] <= 4 and eng.occupancy() == 2
+      assert eng.stats.row_iterations == 3 * short.future.result(0)["steps"]
+      while eng.run_round():
+        pass
+    assert all(r.future.done() for r in longs) and eng.occupancy() == 0
+    assert max(r.future.result(0)["steps"] for r in longs) > short.future.result(0)["steps"]
 
 
 def test_engine_deadline_and_cancel_free_slots(tiny_lm, block_decoder):
