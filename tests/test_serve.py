@@ -286,3 +286,27 @@ def test_ray_serve_two_replicas(smoke_workdir):
     assert len(pids) == 2, pids
   finally:
     client.stop_server(proc, timeout=120)
+
+
+def test_serve_replay_matches_modes_to_ladder_rows(tmp_path):
+  """benchmarks/serve_replay.py: each mode is checked against its accuracy-ladder row, and a row's
+  expected ranking is its parsed one when valid, else the retriever's order."""
+  import json
+  import os
+  import sys
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  import serve_replay  # pylint: disable=g-import-not-at-top
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cfg = serve_replay.load_config(os.path.join(repo, "configs", "demo.py"))
+  dirs = serve_replay.eval_dirs(cfg, "/w")
+  assert dirs == {"threshold": "/w/eval/cft_opd_rl", "ar": "/w/eval/ar", "speculative": "/w/eval/speculative"}
+  with cfg.unlocked():
+    cfg.pipeline.stages = tuple(s for s in cfg.pipeline.stages if s not in ("teacher_rl", "rl"))
+  assert serve_replay.eval_dirs(cfg, "/w")["threshold"] == "/w/eval/cft_opd"
+  rows = [dict(history=[1], candidates=[3, 4, 5], ranking_items=[5, 3, 4]),
+          dict(history=[], candidates=[6, 7, 8], ranking_items=None)]
+  path = tmp_path / "predictions.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  bodies, want = serve_replay.expected(str(path), 5, imps=[])
+  assert bodies == [dict(history=[1], candidates=[3, 4, 5]), dict(history=[], candidates=[6, 7, 8])]
+  assert want == [[5, 3, 4], [6, 7, 8]]
