@@ -36,9 +36,11 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import sys
 import threading
 import time
 
+import jax
 import numpy as np
 
 from dgr2_jax.decode import sampler
@@ -193,9 +195,9 @@ class Engine:
     t0 = time.monotonic()
     self.state, iters, busy = self.decoder.step(self.state, self.k, self.early_exit)
     st = self.state
-    done, canvas, eos_pos, nfe, first, steps = (np.asarray(x) for x in (
-        st["done"], st["canvas"], st["eos_pos"], st["nfe"], st["first"], st["step"]))
-    iters, busy = int(iters), np.asarray(busy)
+    done, canvas, eos_pos, nfe, first, steps, iters, busy = jax.device_get((   # one host transfer
+        st["done"], st["canvas"], st["eos_pos"], st["nfe"], st["first"], st["step"], iters, busy))
+    iters = int(iters)
     dt = time.monotonic() - t0
     s_ = self.stats
     s_.rounds += 1
@@ -317,6 +319,11 @@ class Scheduler:
     self._thread = threading.Thread(target=self._loop, name="dgr2-serve-scheduler", daemon=True)
 
   def start(self):
+    # The scheduler thread takes the GIL back after every device call, competing with the HTTP
+    # event loop; at the default 5 ms switch interval each of a round's few re-acquisitions can
+    # wait that long, which at short rounds (continuous admission ends one per finished row) is
+    # most of a round. 0.5 ms keeps a round's host part near its own cost.
+    sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
     self._thread.start()
     return self
 
