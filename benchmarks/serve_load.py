@@ -3,7 +3,8 @@
   python benchmarks/serve_load.py --config=configs/demo.py --workdir=/tmp/dgr2_demo \
       --rates=2,4,8 --requests=64 --plot=docs/serve_latency.png
 
-For each admission policy (`--policies`, default continuous,block,static: engine.py) it starts
+For each admission policy (`--policies`, default continuous,block,static: engine.py; POLICY/noexit
+runs it with the engine's early_exit off, every round all `--steps_per_round` steps) it starts
 `python -m dgr2_jax.serve` on the workdir (127.0.0.1, a free port) and, per mode (`--modes`) and
 arrival rate (`--rates`, requests/s), sends `--requests` impressions replayed from the workdir's
 test split (the eval stage's, cycled) as an open-loop Poisson process: request i is sent at its
@@ -11,7 +12,8 @@ arrival time whether or not earlier ones were answered (concurrent clients, at m
 `--max_in_flight` open). Per (policy, mode, rate) it prints completed requests, throughput
 (answers/s over the window from the first arrival to the last answer), client-side p50 / p95 / p99
 latency, errors (non-200: 429 queue full, 504 deadline) and the engine's wasted row-iterations
-(slot-iterations that decoded nothing while requests waited, from /metrics). Every request has
+(slot-iterations that decoded nothing while requests waited, from /metrics), the engine's rounds and
+the mean time a request waited for a slot vs decoded in it (engine side). Every request has
 `--timeout_s`; each server is stopped (SIGTERM, drained) after its rows. `--json_out` writes the
 rows; `--plot` draws p99 (solid) and p50 (dashed) latency against throughput per policy and mode.
 Numbers depend on the machine; they compare the policies side by side in one run.
@@ -73,8 +75,10 @@ def run_policy(args, policy: str, bodies_by_mode: dict) -> list[dict]:
   port = client.free_port()
   env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
   server_args = [f"--config={args.config}", f"--workdir={args.workdir}", f"--slots={args.slots}",
-                 f"--steps_per_round={args.steps_per_round}", f"--policy={policy}", f"--max_queue={args.max_queue}",
-                 f"--modes={','.join(args.modes)}"] + args.server_args
+                 f"--steps_per_round={args.steps_per_round}", f"--policy={policy.split('/')[0]}",
+                 f"--max_queue={args.max_queue}", f"--modes={','.join(args.modes)}"] + args.server_args
+  if policy.endswith("/noexit"):   # rounds run all --steps_per_round steps (engine.py early_exit off)
+    server_args.append("--noearly_exit")
   print(f"serve_load: starting the server (policy {policy})", flush=True)
   proc, url = client.start_server(server_args, port, env=env, cwd=REPO, ready_timeout=args.ready_timeout)
   rows = []
@@ -91,7 +95,11 @@ def run_policy(args, policy: str, bodies_by_mode: dict) -> list[dict]:
                    p50_ms=1e3 * percentile(lat, 50), p95_ms=1e3 * percentile(lat, 95),
                    p99_ms=1e3 * percentile(lat, 99),
                    wasted_row_iterations=delta("dgr2_wasted_row_iterations_total"),
-                   row_iterations=delta("dgr2_row_iterations_total"))
+                   row_iterations=delta("dgr2_row_iterations_total"),
+                   rounds=delta("dgr2_rounds_total"))
+        fin = delta("dgr2_finished_requests_total")
+        row.update(queue_ms=1e3 * delta("dgr2_queue_seconds_total") / fin if fin else float("nan"),
+                   decode_ms=1e3 * delta("dgr2_service_seconds_total") / fin if fin else float("nan"))
         rows.append(row)
         print(fmt_row(row), flush=True)
   finally:
@@ -100,13 +108,14 @@ def run_policy(args, policy: str, bodies_by_mode: dict) -> list[dict]:
 
 
 HEADER = ("| policy | mode | rate (req/s) | ok/sent | errors | throughput (req/s) | p50 ms | p95 ms | p99 ms "
-          "| wasted row-iters / row-iters |")
+          "| mean queue ms | mean decode ms | rounds | wasted row-iters / row-iters |")
 
 
 def fmt_row(r: dict) -> str:
   return (f"| {r['policy']} | {r['mode']} | {r['rate']:g} | {r['ok']}/{r['sent']} | {r['errors']} | "
           f"{r['throughput']:.2f} | {r['p50_ms']:.0f} | {r['p95_ms']:.0f} | {r['p99_ms']:.0f} | "
-          f"{r['wasted_row_iterations']:.0f} / {r['row_iterations']:.0f} |")
+          f"{r.get('queue_ms', float('nan')):.0f} | {r.get('decode_ms', float('nan')):.0f} | "
+          f"{r.get('rounds', 0):.0f} | {r['wasted_row_iterations']:.0f} / {r['row_iterations']:.0f} |")
 
 
 def plot(rows, path: str):
@@ -162,7 +171,7 @@ def main(argv=None):
   rows = []
   for policy in policies:
     rows += run_policy(args, policy, bodies)
-  print("\n" + HEADER + "\n" + "|---" * 10 + "|")
+  print("\n" + HEADER + "\n" + "|---" * 13 + "|")
   for r in rows:
     print(fmt_row(r))
   if args.json_out:

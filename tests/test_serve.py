@@ -68,9 +68,32 @@ def test_engine_ar_policies_equal_batch_decoder(tiny_lm):
   dec = slots_lib.SlotDecoder(cfg, params, dc, slots=2, prompt_slots=12)
   ref = sampler.generate(cfg, params, prompts, dc, max_prompt_len=12)
   for policy in engine_lib.POLICIES:
-    eng = engine_lib.Engine("ar", dec, steps_per_round=3, policy=policy)
-    out = _serve_all(eng, [engine_lib.Request(p) for p in prompts])
-    assert [o["output_ids"] for o in out] == ref["output_ids"], policy
+    for early_exit in (True, False):
+      eng = engine_lib.Engine("ar", dec, steps_per_round=3, policy=policy, early_exit=early_exit)
+      out = _serve_all(eng, [engine_lib.Request(p) for p in prompts])
+      assert [o["output_ids"] for o in out] == ref["output_ids"], (policy, early_exit)
+
+
+def test_engine_early_exit_ends_round_at_first_finish(block_decoder):
+  """With early_exit a round of up to 100 steps ends right after the step in which a row finishes
+  (the short request answers, its slot is free, the others keep their state); without it the
+  round runs until every row is done."""
+  p = _prompts(3, seed=2)
+  for early_exit in (True, False):
+    eng = engine_lib.Engine("threshold", block_decoder, steps_per_round=100, early_exit=early_exit)
+    short = engine_lib.Request(p[0], max_new_tokens=4)              # one block of 4
+    longs = [engine_lib.Request(q, max_new_tokens=16) for q in p[1:]]
+    for r in [short, *longs]:
+      eng.submit(r)
+    eng.run_round()
+    assert short.future.done()
+    if early_exit:
+      assert short.future.result(0)["steps"] <= 4 and eng.occupancy() == 2
+      assert eng.stats.row_iterations == 3 * short.future.result(0)["steps"]
+      while eng.run_round():
+        pass
+    assert all(r.future.done() for r in longs) and eng.occupancy() == 0
+    assert max(r.future.result(0)["steps"] for r in longs) > short.future.result(0)["steps"]
 
 
 def test_engine_deadline_and_cancel_free_slots(tiny_lm, block_decoder):
@@ -263,3 +286,27 @@ def test_ray_serve_two_replicas(smoke_workdir):
     assert len(pids) == 2, pids
   finally:
     client.stop_server(proc, timeout=120)
+
+
+def test_serve_replay_matches_modes_to_ladder_rows(tmp_path):
+  """benchmarks/serve_replay.py: each mode is checked against its accuracy-ladder row, and a row's
+  expected ranking is its parsed one when valid, else the retriever's order."""
+  import json
+  import os
+  import sys
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  import serve_replay  # pylint: disable=g-import-not-at-top
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cfg = serve_replay.load_config(os.path.join(repo, "configs", "demo.py"))
+  dirs = serve_replay.eval_dirs(cfg, "/w")
+  assert dirs == {"threshold": "/w/eval/cft_opd_rl", "ar": "/w/eval/ar", "speculative": "/w/eval/speculative"}
+  with cfg.unlocked():
+    cfg.pipeline.stages = tuple(s for s in cfg.pipeline.stages if s not in ("teacher_rl", "rl"))
+  assert serve_replay.eval_dirs(cfg, "/w")["threshold"] == "/w/eval/cft_opd"
+  rows = [dict(history=[1], candidates=[3, 4, 5], ranking_items=[5, 3, 4]),
+          dict(history=[], candidates=[6, 7, 8], ranking_items=None)]
+  path = tmp_path / "predictions.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  bodies, want = serve_replay.expected(str(path), 5, imps=[])
+  assert bodies == [dict(history=[1], candidates=[3, 4, 5]), dict(history=[], candidates=[6, 7, 8])]
+  assert want == [[5, 3, 4], [6, 7, 8]]

@@ -35,6 +35,8 @@ def parse(prog: str, extra_flags=None) -> Launch:
   slots = f.DEFINE_integer("slots", 8, "Rows each engine decodes together.")
   steps = f.DEFINE_integer("steps_per_round", 8, "Denoising steps per host round trip.")
   policy = f.DEFINE_enum("policy", "continuous", ["continuous", "block", "static"], "Admission policy.")
+  early_exit = f.DEFINE_boolean("early_exit", True, "End a round right after a row finishes (else run all "
+                                "--steps_per_round steps).")
   max_queue = f.DEFINE_integer("max_queue", 256, "Waiting requests per mode before HTTP 429.")
   modes = f.DEFINE_list("modes", "threshold,speculative,ar", "Modes to serve.")
   timeout = f.DEFINE_float("default_timeout_s", 60.0, "Deadline of a request without timeout_s.")
@@ -70,6 +72,7 @@ def parse(prog: str, extra_flags=None) -> Launch:
   except FileNotFoundError as e:
     sys.exit(f"{prog}: {e}")
   opts = service_lib.ServeOptions(slots=slots.value, steps_per_round=steps.value, policy=policy.value,
+                                  early_exit=early_exit.value,
                                   max_queue=max_queue.value, default_timeout_s=timeout.value,
                                   modes=tuple(modes.value))
   return Launch(config, os.path.abspath(workdir.value), model_dir.value, verifier_dir.value, host.value, port.value,

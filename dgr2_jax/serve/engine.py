@@ -10,7 +10,10 @@ a *round* of an engine is
        'block':      only when every busy slot is at the start of a block (the lockstep-by-block
                      admission of vLLM's TPU block-diffusion backend);
        'static':     only when every slot is free (static batches, the `generate` stage's);
-  3. `steps_per_round` denoising steps of every busy slot (one device call, one host round trip);
+  3. at most `steps_per_round` denoising steps of every busy slot (one device call, one host round
+     trip); the round ends early right after the step in which a row finishes (`early_exit`), so
+     its answer is not held back by the round and its slot takes a waiting request at once
+     (without it, a row finishing at step 1 of k idles k-1 iterations, and its request waits them);
   4. finished rows leave: their output ids resolve the request's future.
 Wasted row-iterations: in a round after which requests are still waiting, every slot-iteration
 that decoded nothing (an empty slot, or a row finished earlier in the round) is counted; it is
@@ -33,9 +36,11 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import sys
 import threading
 import time
 
+import jax
 import numpy as np
 
 from dgr2_jax.decode import sampler
@@ -95,19 +100,21 @@ class Stats:
   expired: int = 0
   cancelled: int = 0
   decode_seconds: float = 0.0        # device time of the rounds
+  queue_seconds: float = 0.0         # finished requests: submitted -> admitted (waiting for a slot)
+  service_seconds: float = 0.0       # finished requests: admitted -> answered (decoding)
 
 
 class Engine:
   """Continuous batching over a `slots.SlotDecoder` (see the module docstring)."""
 
   def __init__(self, mode: str, decoder, steps_per_round: int = 8, policy: str = "continuous",
-               max_queue: int = 256):
+               max_queue: int = 256, early_exit: bool = True):
     if policy not in POLICIES:
       raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if steps_per_round < 1:
       raise ValueError(f"steps_per_round must be >= 1, got {steps_per_round}")
     self.mode, self.decoder, self.k, self.policy = mode, decoder, steps_per_round, policy
-    self.max_queue = max_queue
+    self.max_queue, self.early_exit = max_queue, early_exit
     self.slots = decoder.slots
     self.owner: list[Request | None] = [None] * self.slots
     self.queue: collections.deque[Request] = collections.deque()
@@ -186,11 +193,11 @@ class Engine:
     if all(o is None for o in self.owner):
       return False
     t0 = time.monotonic()
-    self.state, iters, busy = self.decoder.step(self.state, self.k)
+    self.state, iters, busy = self.decoder.step(self.state, self.k, self.early_exit)
     st = self.state
-    done, canvas, eos_pos, nfe, first, steps = (np.asarray(x) for x in (
-        st["done"], st["canvas"], st["eos_pos"], st["nfe"], st["first"], st["step"]))
-    iters, busy = int(iters), np.asarray(busy)
+    done, canvas, eos_pos, nfe, first, steps, iters, busy = jax.device_get((   # one host transfer
+        st["done"], st["canvas"], st["eos_pos"], st["nfe"], st["first"], st["step"], iters, busy))
+    iters = int(iters)
     dt = time.monotonic() - t0
     s_ = self.stats
     s_.rounds += 1
@@ -212,6 +219,8 @@ class Engine:
                  queue_ms=1e3 * (req.admitted - req.submitted), latency_ms=1e3 * (end - req.submitted))
       s_.finished += 1
       s_.tokens += len(ids)
+      s_.queue_seconds += req.admitted - req.submitted
+      s_.service_seconds += end - req.admitted
       req.finish(res)
     return True
 
@@ -291,6 +300,8 @@ class StaticEngine(Engine):
                  queue_ms=1e3 * (req.admitted - req.submitted), latency_ms=1e3 * (end - req.submitted))
       s_.finished += 1
       s_.tokens += len(ids)
+      s_.queue_seconds += req.admitted - req.submitted
+      s_.service_seconds += end - req.admitted
       req.finish(res)
     return True
 
@@ -308,6 +319,11 @@ class Scheduler:
     self._thread = threading.Thread(target=self._loop, name="dgr2-serve-scheduler", daemon=True)
 
   def start(self):
+    # The scheduler thread takes the GIL back after every device call, competing with the HTTP
+    # event loop; at the default 5 ms switch interval each of a round's few re-acquisitions can
+    # wait that long, which at short rounds (continuous admission ends one per finished row) is
+    # most of a round. 0.5 ms keeps a round's host part near its own cost.
+    sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
     self._thread.start()
     return self
 

@@ -13,6 +13,9 @@
   dgr2_row_iterations_total{mode}, dgr2_busy_row_iterations_total{mode},
   dgr2_wasted_row_iterations_total{mode}     the engine's slot-iterations (engine.py)
   dgr2_rounds_total{mode}                    engine rounds (host round trips)
+  dgr2_queue_seconds_total{mode}, dgr2_service_seconds_total{mode}
+                                             finished requests' time waiting for a slot / decoding
+  dgr2_finished_requests_total{mode}         requests the engine answered
 """
 
 from __future__ import annotations
@@ -44,7 +47,11 @@ class _EngineCollector:
         busy=CounterMetricFamily("dgr2_busy_row_iterations", "slot-iterations that decoded", labels=["mode"]),
         wasted=CounterMetricFamily("dgr2_wasted_row_iterations", "idle slot-iterations while requests waited",
                                    labels=["mode"]),
-        rounds=CounterMetricFamily("dgr2_rounds", "engine rounds (host round trips)", labels=["mode"]))
+        rounds=CounterMetricFamily("dgr2_rounds", "engine rounds (host round trips)", labels=["mode"]),
+        queue_s=CounterMetricFamily("dgr2_queue_seconds", "finished requests' seconds waiting for a slot",
+                                    labels=["mode"]),
+        service_s=CounterMetricFamily("dgr2_service_seconds", "finished requests' seconds decoding", labels=["mode"]),
+        finished=CounterMetricFamily("dgr2_finished_requests", "requests the engine answered", labels=["mode"]))
     for mode, eng in engines.items():
       st = eng.stats
       fams["queue"].add_metric([mode], eng.queue_depth())
@@ -56,6 +63,9 @@ class _EngineCollector:
       fams["busy"].add_metric([mode], st.busy_row_iterations)
       fams["wasted"].add_metric([mode], st.wasted_row_iterations)
       fams["rounds"].add_metric([mode], st.rounds)
+      fams["queue_s"].add_metric([mode], st.queue_seconds)
+      fams["service_s"].add_metric([mode], st.service_seconds)
+      fams["finished"].add_metric([mode], st.finished)
     yield from fams.values()
 
 

@@ -48,6 +48,7 @@ class ServeOptions:
   slots: int = 8                    # rows decoded together per engine
   steps_per_round: int = 8          # denoising steps per host round trip
   policy: str = "continuous"        # engine.POLICIES
+  early_exit: bool = True           # a round ends right after a row finishes (engine.py)
   max_queue: int = 256              # waiting requests per mode before 429
   default_timeout_s: float = 60.0
   max_timeout_s: float = 600.0
@@ -101,7 +102,8 @@ class Service:
     engines = {}
     if "threshold" in o.modes:
       dec = slots_lib.SlotDecoder(mc, params, self.dc, o.slots, self.prompt_slots)
-      engines["threshold"] = engine_lib.Engine("threshold", dec, o.steps_per_round, o.policy, o.max_queue)
+      engines["threshold"] = engine_lib.Engine("threshold", dec, o.steps_per_round, o.policy, o.max_queue,
+                                                 o.early_exit)
     if self.verifier_dir and ("ar" in o.modes or "speculative" in o.modes):
       vc, vparams = runtime.load_on_device(self.verifier_dir, config.get("model"))
       if "ar" in o.modes:
@@ -111,7 +113,8 @@ class Service:
           c_ar.decode.block_size, c_ar.decode.threshold, c_ar.decode.mode = 1, 1.0, "threshold"
         dc_ar = runtime.decode_config(c_ar, self.tids, vc)
         dec = slots_lib.SlotDecoder(vc, vparams, dc_ar, o.slots, self.prompt_slots)
-        engines["ar"] = engine_lib.Engine("ar", dec, o.steps_per_round, o.policy, o.max_queue)
+        engines["ar"] = engine_lib.Engine("ar", dec, o.steps_per_round, o.policy, o.max_queue,
+                                                 o.early_exit)
       if "speculative" in o.modes:
         from dgr2_jax.decode import speculative
         speculative.check_pair(mc, vc, self.dc.mask_token_id)

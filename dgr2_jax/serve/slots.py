@@ -88,11 +88,13 @@ class SlotDecoder:
     """Marks `slot` empty (a cancelled or expired request): it idles from the next step on."""
     return self._release(state, np.int32(slot))
 
-  def step(self, state, k: int):
-    """-> (state, iterations run, busy iterations per slot [S]) after at most k steps."""
+  def step(self, state, k: int, stop_on_finish: bool = False):
+    """-> (state, iterations run, busy iterations per slot [S]) after at most k steps; with
+    `stop_on_finish`, also right after the first iteration in which a busy row finishes (its slot
+    is free and its answer ready without waiting out the round)."""
     dc = self.dc
     return self._step(self.params, state, np.int32(k), np.float32(dc.temperature), np.int32(dc.top_k),
-                      np.float32(dc.top_p), np.int32(dc.steps_per_block))
+                      np.float32(dc.top_p), np.int32(dc.steps_per_block), np.bool_(stop_on_finish))
 
   # ---- jitted ---------------------------------------------------------------------------------
   def _prefill_fn(self, params, state, slot, tokens, length, threshold, rng, limit):
@@ -118,7 +120,7 @@ class SlotDecoder:
       st[k] = put(state[k], v)
     return st
 
-  def _step_fn(self, params, state, k, temperature, top_k, top_p, steps_per_block):
+  def _step_fn(self, params, state, k, temperature, top_k, top_p, steps_per_block, stop_on_finish):
     c, bsz, nb, r, p = self.config, self.bsz, self.num_blocks, self.r, self.p
     mask_id = self.mask_id
     eos = jnp.asarray(self.eos_ids, jnp.int32)
@@ -188,7 +190,8 @@ class SlotDecoder:
 
     def cond(loop):
       st, it, _ = loop
-      return (it < k) & ~st["done"].all()
+      finished = (st["done"] & ~state["done"]).any()     # a row busy at the call's start is done
+      return (it < k) & ~st["done"].all() & ~(stop_on_finish & finished)
 
     st, it, busy = jax.lax.while_loop(cond, body, (state, jnp.int32(0), jnp.zeros((b,), jnp.int32)))
     return st, it, busy
