@@ -148,12 +148,26 @@ class Engine:
         self.state = self.decoder.release(self.state, s)
         self.owner[s] = None
         self._fail(req, now)
+    self._drop_dead_queued(now)
+
+  def _drop_dead_queued(self, now: float):
     with self.lock:
       live = [r for r in self.queue if not (r.cancelled or now > r.deadline)]
       dead = [r for r in self.queue if r.cancelled or now > r.deadline]
       self.queue = collections.deque(live)
     for req in dead:
       self._fail(req, now)
+
+  def _finish(self, req: Request, ids: list, nfe: int, steps: int, end: float):
+    if req.max_new_tokens:
+      ids = ids[:req.max_new_tokens]
+    s_ = self.stats
+    s_.finished += 1
+    s_.tokens += len(ids)
+    s_.queue_seconds += req.admitted - req.submitted
+    s_.service_seconds += end - req.admitted
+    req.finish(dict(output_ids=ids, nfe=nfe, steps=steps, queue_ms=1e3 * (req.admitted - req.submitted),
+                    latency_ms=1e3 * (end - req.submitted)))
 
   def _fail(self, req: Request, now: float):
     if req.cancelled:
@@ -213,15 +227,7 @@ class Engine:
         continue
       self.owner[s] = None
       ids = sampler.output_ids(canvas[s:s + 1], eos_pos[s:s + 1])[0]
-      if req.max_new_tokens:
-        ids = ids[:req.max_new_tokens]
-      res = dict(output_ids=ids, nfe=int(nfe[s]), steps=int(steps[s]),
-                 queue_ms=1e3 * (req.admitted - req.submitted), latency_ms=1e3 * (end - req.submitted))
-      s_.finished += 1
-      s_.tokens += len(ids)
-      s_.queue_seconds += req.admitted - req.submitted
-      s_.service_seconds += end - req.admitted
-      req.finish(res)
+      self._finish(req, ids, int(nfe[s]), int(steps[s]), end)
     return True
 
   def fail_all(self, exc: Exception):
@@ -247,17 +253,9 @@ class StaticEngine(Engine):
     self.lock = threading.Lock()
     self.stats = Stats()
 
-  def _drop_dead(self, now: float):
-    with self.lock:
-      live = [r for r in self.queue if not (r.cancelled or now > r.deadline)]
-      dead = [r for r in self.queue if r.cancelled or now > r.deadline]
-      self.queue = collections.deque(live)
-    for req in dead:
-      self._fail(req, now)
-
   def run_round(self) -> bool:
     now = time.monotonic()
-    self._drop_dead(now)
+    self._drop_dead_queued(now)  # no slot holds a request between rounds
     with self.lock:
       if not self.queue:
         return False
@@ -294,15 +292,7 @@ class StaticEngine(Engine):
         self._fail(req, end)
         continue
       ids = [int(t) for t in out["output_ids"][i]]
-      if req.max_new_tokens:
-        ids = ids[:req.max_new_tokens]
-      res = dict(output_ids=ids, nfe=int(np.asarray(out["nfe"])[i]), steps=int(np.asarray(out.get("rounds", out["nfe"]))[i]),
-                 queue_ms=1e3 * (req.admitted - req.submitted), latency_ms=1e3 * (end - req.submitted))
-      s_.finished += 1
-      s_.tokens += len(ids)
-      s_.queue_seconds += req.admitted - req.submitted
-      s_.service_seconds += end - req.admitted
-      req.finish(res)
+      self._finish(req, ids, int(np.asarray(out["nfe"])[i]), int(np.asarray(out.get("rounds", out["nfe"]))[i]), end)
     return True
 
 
