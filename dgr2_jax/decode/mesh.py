@@ -146,6 +146,14 @@ def put_rows(mesh: Mesh, *arrays):
   return tuple(out), n
 
 
+def to_host(x):
+  """NumPy of a decoder output, gathered from every process when not fully addressable."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    x = multihost_utils.process_allgather(x, tiled=True)
+  return np.asarray(x)
+
+
 def take_rows(out: dict, n: int, n_pad: int, host: bool):
   """A decoder's outputs [n_pad, ...] without the pad rows -> [n, ...]: device arrays (`host`
   False, sliced on device) or NumPy (`host` True; gathered from every process when not fully
@@ -153,10 +161,7 @@ def take_rows(out: dict, n: int, n_pad: int, host: bool):
   def one(x):
     rows = x.ndim > 0 and x.shape[0] == n_pad
     if host:
-      if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-        x = multihost_utils.process_allgather(x, tiled=True)
-      x = np.asarray(x)
+      x = to_host(x)
     return x[:n] if rows and n != n_pad else x
   return {k: one(v) for k, v in out.items()}
 

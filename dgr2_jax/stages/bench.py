@@ -61,10 +61,11 @@ class TimedGenerate:
 
   def __call__(self, model_config, params, prompts, dcfg, rng, max_prompt_len=None):
     import jax
+    from dgr2_jax.decode import mesh as dmesh
     from dgr2_jax.decode import sampler
     fn = self.generate_fn or sampler.generate
     call = lambda: fn(model_config, params, prompts, dcfg, rng, max_prompt_len=max_prompt_len, return_device=True)
-    out = jax.tree_util.tree_map(np.asarray, call())
+    out = jax.tree_util.tree_map(dmesh.to_host, call())   # rows of every process (a decode mesh)
     self.calls.append(call)
     out["output_ids"] = sampler.output_ids(out["tokens"], out["eos_pos"])
     self.call_tokens.append(sum(len(x) for x in out["output_ids"]))
