@@ -7,7 +7,7 @@
           the KV cache over its kv heads. An 8B model's batch-1 decode then reads 1/tensor of the
           weights per device and step.
 
-Parameters are placed by the training code's logical-axis machinery (`train.mesh.logical_to_spec`
+Parameters are placed by the training code's logical-axis machinery (`model.sharding.logical_to_spec`
 with `qwen3.PARAM_LOGICAL_AXES`) under the decode rules `RULES`; a dimension that does not divide
 is replicated (a tiny model with 2 kv heads on tensor=8 replicates its k/v projections and cache).
 Inside the jitted decoders `constrain_state` pins the loop state (rows over data, the caches over
@@ -32,10 +32,10 @@ import numpy as np
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from dgr2_jax.train import mesh as train_mesh   # the logical-axis rules -> specs of training
+from dgr2_jax.model import sharding as sharding_lib   # the logical-axis rules -> specs, as training's
 
 AXES = ("data", "tensor")
-# Logical axis -> mesh axes for decoding (train.mesh.logical_to_spec applies them). 'batch' over
+# Logical axis -> mesh axes for decoding (model.sharding.logical_to_spec applies them). 'batch' over
 # ('data', 'fsdp') so a training mesh (rollouts) shards rows over both of its row axes.
 RULES = (("batch", ("data", "fsdp")), ("vocab", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"),
          ("mlp", "tensor"), ("embed", None), ("length", None))
@@ -104,12 +104,12 @@ def _rules(mesh: Mesh):
 
 def sharding(mesh: Mesh, logical, shape) -> NamedSharding:
   """NamedSharding of an array with logical axes `logical` (None = replicated dimension)."""
-  return NamedSharding(mesh, train_mesh.logical_to_spec(tuple(logical), tuple(shape), mesh, _rules(mesh)))
+  return NamedSharding(mesh, sharding_lib.logical_to_spec(tuple(logical), tuple(shape), mesh, _rules(mesh)))
 
 
 def param_shardings(mesh: Mesh, params):
   """NamedSharding pytree of a parameter pytree (arrays or ShapeDtypeStructs) under RULES."""
-  return train_mesh.param_shardings(params, mesh, _rules(mesh))
+  return sharding_lib.param_shardings(params, mesh, _rules(mesh))
 
 
 def _put(x, sh: NamedSharding):
