@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import struct
+import sys
 import tempfile
 from typing import Any, Callable, Iterator
 
@@ -437,11 +438,36 @@ def _restore(path: str, paths: list[str] | None, dtype=None, shardings: dict | N
       item=item, restore_args=restore_args, partial_restore=item is not None))
 
 
+@contextlib.contextmanager
+def _stderr_held():
+  """Holds what is written to stderr (fd 2, native libraries included) and passes it on when the
+  body succeeds. A truncated params file makes tensorstore's threads print the start of a
+  traceback while the main thread's error becomes the one line the command line prints."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as held:
+    os.dup2(held.fileno(), 2)
+    ok = False
+    try:
+      yield
+      ok = True
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      if ok:
+        held.seek(0)
+        text = held.read()
+        if text:
+          os.write(2, text)
+
+
 def _load_ours(path: str, dtype=None, shardings=None) -> tuple[Qwen3Config, dict]:
   config = _config_from_json(path, _read_config_json(path))
   meta = _orbax_meta(path)
   _validate_ours(path, config, meta)
-  params = _restore(path, None, dtype, None if shardings is None else flatten(shardings(config)))
+  with _stderr_held():
+    params = _restore(path, None, dtype, None if shardings is None else flatten(shardings(config)))
   pdt = np.dtype(params["embed_tokens"]["embedding"].dtype)
   return config.replace(param_dtype=_DTYPE_NAMES[pdt]), params
 
