@@ -49,6 +49,7 @@ def model_dirs(tmp_path_factory):
   bad_tok, bad_params = str(root / "bad_tok"), str(root / "bad_params")
   shutil.copytree(good, bad_tok)
   shutil.copytree(good, bad_params)
+  assert os.path.exists(os.path.join(good, checkpoint.PARAMS_SIZES_FILE))
   with open(os.path.join(bad_tok, "tokenizer.json"), "r+") as f:
     f.truncate(len(f.read()) // 2)
   # The largest file of the Orbax/OCDBT checkpoint holds the arrays: cut it short.
@@ -56,11 +57,16 @@ def model_dirs(tmp_path_factory):
   biggest = max(files, key=os.path.getsize)
   with open(biggest, "r+b") as f:
     f.truncate(os.path.getsize(biggest) // 3)
+  # A model dir written before the sizes file existed: the cut reaches Orbax/tensorstore itself.
+  bad_params_unsized = str(root / "bad_params_unsized")
+  shutil.copytree(bad_params, bad_params_unsized)
+  os.remove(os.path.join(bad_params_unsized, checkpoint.PARAMS_SIZES_FILE))
   prompts = root / "prompts.jsonl"
   prompts.write_text('{"prompt_ids": [3, 4, 5]}\n')
   bad_prompts = root / "bad_prompts.jsonl"
   bad_prompts.write_text('{"prompt_ids": [3, 4, 5]}\n{"prompt_ids": [3, 4\n')
   return dict(root=str(root), good=good, bad_tok=bad_tok, bad_params=bad_params,
+              bad_params_unsized=bad_params_unsized,
               prompts=str(prompts), bad_prompts=str(bad_prompts))
 
 
@@ -176,7 +182,8 @@ def generate_args(model_dir, prompts, out):
 
 @pytest.mark.parametrize("which,needles", [
     ("bad_tok", ["bad_tok/tokenizer.json: not valid JSON"]),
-    ("bad_params", ["bad_params: cannot load the model", "params"]),
+    ("bad_params", ["bad_params: cannot load the model", "bytes", "params_sizes.json says"]),
+    ("bad_params_unsized", ["bad_params_unsized: cannot load the model", "params"]),
     ("bad_prompts", ["bad_prompts.jsonl:2: not valid JSON"]),
 ])
 def test_unreadable_input_files_are_one_line(model_dirs, tmp_path, which, needles):

@@ -39,6 +39,9 @@ from dgr2_jax.model.config import Qwen3Config
 
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
+# {file under params/: bytes}, written once every process has written its shards: a copied or
+# uploaded model dir whose weights were cut short fails with this file's name before Orbax reads it.
+PARAMS_SIZES_FILE = "params_sizes.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 * 1024**3
@@ -163,11 +166,13 @@ def _hf_order(config: Qwen3Config) -> list[tuple[str, str, Callable | None, tupl
 
 # ---- output directories --------------------------------------------------------------------------
 @contextlib.contextmanager
-def _atomic_output(path: str, overwrite: bool) -> Iterator[str]:
+def _atomic_output(path: str, overwrite: bool, finish: Callable[[str], None] | None = None
+                   ) -> Iterator[str]:
   """Yields a temporary sibling of `path` that replaces it on success; removed on any failure.
 
   Several processes: collective. Process 0 makes the temporary directory and tells the others its
-  name; all write their share (Orbax: each its shards); process 0 publishes once all are done."""
+  name; all write their share (Orbax: each its shards); process 0 publishes once all are done,
+  after `finish(tmp)` (its own last word on the whole directory)."""
   path = os.path.abspath(path)
   multi = multihost.is_multi()
   if not multihost.is_writer():
@@ -192,6 +197,8 @@ def _atomic_output(path: str, overwrite: bool) -> Iterator[str]:
   try:
     yield tmp
     multihost.barrier("atomic_output.written")
+    if finish is not None:
+      finish(tmp)
     if os.path.exists(path):
       shutil.rmtree(path)
     os.replace(tmp, path)
@@ -452,6 +459,8 @@ def _stderr_held():
       yield
       ok = True
     finally:
+      if not ok:  # the failed read's threads may still be writing: let them finish into `held`
+        _wait_quiet(held)
       sys.stderr.flush()
       os.dup2(saved, 2)
       os.close(saved)
@@ -462,10 +471,24 @@ def _stderr_held():
           os.write(2, text)
 
 
+def _wait_quiet(f, quiet_s: float = 0.3, most_s: float = 3.0) -> None:
+  """Returns once `f` has not grown for `quiet_s` (at most `most_s`)."""
+  import time
+  end, size, since = time.monotonic() + most_s, -1, time.monotonic()
+  while time.monotonic() < end:
+    now = os.fstat(f.fileno()).st_size
+    if now != size:
+      size, since = now, time.monotonic()
+    elif time.monotonic() - since >= quiet_s:
+      return
+    time.sleep(0.05)
+
+
 def _load_ours(path: str, dtype=None, shardings=None) -> tuple[Qwen3Config, dict]:
   config = _config_from_json(path, _read_config_json(path))
   meta = _orbax_meta(path)
   _validate_ours(path, config, meta)
+  _check_params_sizes(path)
   with _stderr_held():
     params = _restore(path, None, dtype, None if shardings is None else flatten(shardings(config)))
   pdt = np.dtype(params["embed_tokens"]["embedding"].dtype)
@@ -513,11 +536,45 @@ def save_model_dir(path: str, config: Qwen3Config, params: dict, tokenizer_src=N
   # copied). Several: the global jax arrays as they are, every process writing its own shards.
   if not multihost.is_multi():
     params = unflatten({p: np.asarray(a) for p, a in flatten(params).items()})
-  with _atomic_output(path, overwrite) as tmp:
+  with _atomic_output(path, overwrite, finish=_write_params_sizes) as tmp:
     _save_checkpointer().save(os.path.join(tmp, PARAMS_DIR), args=ocp.args.PyTreeSave(params))
     _write_json(os.path.join(tmp, CONFIG_FILE), config.to_hf_dict())
     _write_tokenizer(tmp, tokenizer_src)
   return path
+
+
+def _params_sizes(path: str) -> dict[str, int]:
+  pdir = os.path.join(path, PARAMS_DIR)
+  return {os.path.relpath(os.path.join(d, n), pdir): os.path.getsize(os.path.join(d, n))
+          for d, _, names in os.walk(pdir) for n in names}
+
+
+def _write_params_sizes(tmp: str) -> None:
+  with open(os.path.join(tmp, PARAMS_SIZES_FILE), "w") as f:
+    json.dump(dict(sorted(_params_sizes(tmp).items())), f, indent=1)
+    f.write("\n")
+
+
+def _check_params_sizes(path: str) -> None:
+  """Every file under params/ has the size it was written with (model dirs from before the sizes
+  file existed are not checked here; Orbax's own error then names the file)."""
+  file = os.path.join(path, PARAMS_SIZES_FILE)
+  if not os.path.exists(file):
+    return
+  try:
+    with open(file) as f:
+      want = json.load(f)
+    assert isinstance(want, dict)
+  except (ValueError, AssertionError):
+    raise ValueError(f"{file}: not valid JSON ({{file: bytes}})") from None
+  have = _params_sizes(path)
+  for rel, size in want.items():
+    where = os.path.join(path, PARAMS_DIR, rel)
+    if rel not in have:
+      raise ValueError(f"{path}: cannot load the model ({where} is missing)")
+    if have[rel] != size:
+      raise ValueError(f"{path}: cannot load the model ({where} has {have[rel]} bytes, "
+                       f"{PARAMS_SIZES_FILE} says {size}: cut short or replaced)")
 
 
 def _check_params(path: str, config: Qwen3Config, params: dict) -> None:
