@@ -44,6 +44,7 @@ def get_config(arg: str = ""):
   c.retriever.learning_rate = 1e-3
   c.retriever.num_epochs = 40
   c.retriever.eval_every = 2
+  c.retriever.train_lists = "holdout"  # training lists from a SASRec that never saw their targets
   c.task.demo_vocab_size = 4096
   c.task.prompt_len = 192        # ~162 tokens (p90 175): 2 history lines + 10 numbered candidates, 4-token SIDs
   # Real brand and category names make the terse rationale ~45 tokens and the response ~76 (p90 79,

@@ -72,6 +72,12 @@ def retriever_config() -> ml_collections.ConfigDict:
   c.eval_every = 2  # epochs between validation passes (early stopping on valid NDCG@10)
   c.patience = 3  # validation passes without improvement before stopping
   c.eval_batch_size = 512  # SASRec users per validation/candidate batch
+  # Where the training split's lists come from. 'same': the SASRec above (trained on seq[:-2],
+  # which holds the training target seq[-3]: those lists contain their target far more often and
+  # higher than test lists do). 'holdout': a second SASRec, same settings, trained on seq[:-3],
+  # ranks them, so a training list is made the way a test list is (by a model that never saw
+  # that target).
+  c.train_lists = "same"
   return c
 
 
@@ -79,6 +85,7 @@ SOURCES = ("beauty", "synthetic")
 FORMATS = ("auto", "tsv", "mcauley")
 SID_ENCODERS = ("minilm", "npy", "hash")
 RETRIEVER_SOURCES = ("sasrec", "file")
+TRAIN_LISTS = ("same", "holdout")
 
 
 def validate(config, runs: set) -> None:
@@ -105,6 +112,10 @@ def validate(config, runs: set) -> None:
 
   if "retriever" in c:
     checks.one_of(c, "retriever", "source", RETRIEVER_SOURCES)
+    checks.one_of(c, "retriever", "train_lists", TRAIN_LISTS)
+    if c.retriever.train_lists == "holdout" and c.retriever.source != "sasrec":
+      checks.fail("retriever.train_lists", "'holdout' trains a second SASRec: needs "
+                  "retriever.source='sasrec' (a candidates file brings its own training lists)")
     if c.retriever.num_candidates != 10:
       checks.fail("retriever.num_candidates", f"must be 10 (the task's candidate lists), got "
                   f"{c.retriever.num_candidates}")

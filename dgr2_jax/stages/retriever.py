@@ -7,7 +7,10 @@ line per user and split (all users, all three splits), history items excluded, n
 
 Outputs: `candidates_{train,valid,test}.npy` [n_users, 10] int32, `candidates.jsonl` (same, in the
 file format above), `metrics.json` ({valid, test} x recall@5, recall@10, ndcg@5, ndcg@10,
-n_hits@10, n_users; plus the popularity baseline), and for SASRec `params.msgpack` and training log.
+n_hits@10, n_users; plus the popularity baseline; `train` too: how often a training list holds its
+target), and for SASRec `params.msgpack` and training log. With `retriever.train_lists='holdout'`
+a second SASRec trained on seq[:-3] ranks the training split (`params_holdout.msgpack`,
+`train_log_holdout.json`): no training list comes from a model that saw its target.
 """
 
 from __future__ import annotations
@@ -103,8 +106,17 @@ def run(config, workdir: str) -> dict:
       cands = {s: trainer.rank(api.split_examples(seqs, s)[0], None, k)[0] for s in api.SPLITS}
       with open(os.path.join(tmp, "params.msgpack"), "wb") as f:
         f.write(flax.serialization.to_bytes(trainer.params))
-    metrics = {}
-    for split in ("valid", "test"):
+      if cfg.train_lists == "holdout":
+        # Early stopping on the same validation users: their targets are unseen by this model
+        # too, and the training split's targets stay out of every choice it makes.
+        held = sasrec.Trainer(cfg, n_items, [s[:-3] for s in seqs], int(config.seed) + 1)
+        hlog = held.fit(vh, vt)
+        cands["train"] = held.rank(api.split_examples(seqs, "train")[0], None, k)[0]
+        with open(os.path.join(tmp, "params_holdout.msgpack"), "wb") as f:
+          f.write(flax.serialization.to_bytes(held.params))
+        common.write_json_atomic(os.path.join(tmp, "train_log_holdout.json"), hlog)
+    metrics = {"train_lists": cfg.train_lists if cfg.source == "sasrec" else "file"}
+    for split in ("train", "valid", "test"):
       h, t = api.split_examples(seqs, split)
       metrics[split] = sasrec.rank_metrics(sasrec.candidate_ranks(cands[split], t))
       pop = sasrec.popularity_topk(train_seqs, h, n_items, k)
@@ -122,7 +134,7 @@ def run(config, workdir: str) -> dict:
     if log:
       common.write_json_atomic(os.path.join(tmp, "train_log.json"), log)
     common.write_json_atomic(os.path.join(tmp, "metrics.json"), metrics)
-  for split in ("valid", "test"):
+  for split in ("train", "valid", "test"):
     m = metrics[split]
     print(f"retriever[{cfg.source}] {split}: R@5 {m['recall@5']:.4f} R@10 {m['recall@10']:.4f} "
           f"N@5 {m['ndcg@5']:.4f} N@10 {m['ndcg@10']:.4f}  users with target in top-10: "
