@@ -7,12 +7,19 @@
 
 The data, SIDs and retriever of the paper's protocol (5-core Beauty, TIGER split, MiniLM + RQ-VAE
 4-token SIDs, SASRec top-10 candidates; the `sids` extra), with the task format a tiny model can
-learn on 2 cores: the demo's choices (configs/demo.py; each a config field): minimal numbered
-prompt, terse pick-by-number rationale ranking first the candidate that shares the last
-purchase's brand (not the label), answers as candidate numbers, shuffled training candidates, every
-training user kept (target inserted when the retriever missed it), responses of 96 slots (the
-real names make them ~76 tokens). The ladder is on every test user whose target the retriever
-puts in its top 10 (1,896 with this SASRec), as in the paper (n = 1,615 there).
+learn on 2 cores (each a config field): the demo's minimal numbered prompt and answers as
+candidate numbers, and training lists made the way test lists are:
+- the training split's candidates come from a second SASRec that never saw those targets
+  (`retriever.train_lists='holdout'`), in the retriever's order (no shuffling);
+- where it missed the target, the target is inserted where the retriever puts targets on
+  validation (`task.insert_target='matched'`), so every training user is kept;
+- the brief rationale (`Recent <brand> <leaf>. Same brand #3. So #3 goes first, ...`) moves a
+  candidate above the retriever's #1 only on the relations to the last purchase that pick the
+  target more often than #1 does on the training lists (`task.trace_policy='fit'`,
+  traces/policy.json); traces whose ranking demotes the target are rejected
+  (`task.reject_demoting`), as the paper rejection-samples its teacher's traces.
+The ladder is on every test user whose target the retriever puts in its top 10 (1,896 with this
+SASRec), as in the paper (n = 1,615 there).
 The model is the demo's 3-layer, 64-wide Qwen3, so this is the recipe's shape on real data, not
 the paper's accuracy (docs/results.md: the table beside the paper's Q1).
 Same variants as demo.py after ':'.
@@ -46,6 +53,11 @@ def get_config(arg: str = ""):
   c.retriever.eval_every = 2
   c.retriever.train_lists = "holdout"  # training lists from a SASRec that never saw their targets
   c.task.demo_vocab_size = 4096
+  c.task.shuffle_train = False
+  c.task.insert_target = "matched"
+  c.task.rationale_style = "brief"
+  c.task.trace_policy = "fit"
+  c.task.reject_demoting = True
   c.task.prompt_len = 192        # ~162 tokens (p90 175): 2 history lines + 10 numbered candidates, 4-token SIDs
   # Real brand and category names make the terse rationale ~45 tokens and the response ~76 (p90 79,
   # max 97): 3 blocks of 32 (the demo's 64 drops every example).

@@ -9,7 +9,12 @@ Reads `workdir/data`, `workdir/sids`, `workdir/retriever` through `dgr2_jax.data
   history, target, candidates, target_pos, inserted, messages, prompt_text, response, source).
   Built-in rationales unless `config.task.traces_path` names a teacher JSONL (rejection-sampled).
 - `stats.json`: example counts, rejection counts, prompt/response token statistics, what the
-  static shapes would truncate or drop, and the pre-rank floor per split.
+  static shapes would truncate or drop, the pre-rank floor per split, and where the target sits
+  among the candidates in each split (`target_positions`: the retriever's lists, and the training
+  split as built, insertions included), side by side.
+- `policy.json` (`task.trace_policy='fit'`): the trace policy chosen on the training lists
+  (task/policy.py), its grid, and the policy alone on validation against the floor and the
+  rationale's rule, measured before anything is trained on it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import numpy as np
 from dgr2_jax.stages import common
 from dgr2_jax.task import metrics as metrics_lib
 from dgr2_jax.task import pipeline as pipeline_lib
+from dgr2_jax.task import policy as policy_lib
 from dgr2_jax.task import prompts as prompts_lib
 from dgr2_jax.task import tokenizer as tok_lib
 from dgr2_jax.task import traces as traces_lib
@@ -85,6 +91,32 @@ def trace_stats(traces, tokenizer, items, sids, task_cfg) -> dict:
           "mean_reasoning_tokens": float(np.mean(reason_lens)) if reason_lens else 0.0}
 
 
+def position_histogram(examples, k: int) -> list[int]:
+  """Counts of the target's 0-based position among the candidates (examples with it listed)."""
+  return np.bincount([e["target_pos"] for e in examples if e["target_pos"] >= 0],
+                     minlength=k)[:k].tolist()
+
+
+def _relations(examples, items, tc) -> list[list[str]]:
+  cut = lambda h: h[-tc.max_history:] if tc.max_history > 0 else h
+  return [policy_lib.relations([items[i] for i in cut(e["history"])],
+                               [items[i] for i in e["candidates"]]) for e in examples]
+
+
+def fit_policy(d: dict, tc) -> dict:
+  """The trace policy chosen on the training split's listed targets, and the policy alone on
+  validation beside the floor and the rationale's rule (nothing trained yet)."""
+  split_exs = {s: traces_lib.build_examples(d["sequences"], d["candidates"][s], s)[0]
+               for s in ("train", "valid")}
+  rels = {s: _relations(e, d["items"], tc) for s, e in split_exs.items()}
+  tpos = {s: [x["target_pos"] for x in e] for s, e in split_exs.items()}
+  policy, grid = policy_lib.fit(rels["train"], tpos["train"])
+  valid = {n: policy_lib.evaluate(rels["valid"], tpos["valid"], p) for n, p in
+           (("chosen", policy), ("rule", policy_lib.RULE), ("retriever", policy_lib.RETRIEVER))}
+  return {"policy": policy, "name": policy_lib.name(policy), "chosen_on": "train",
+          "grid_train": grid, "valid": valid}
+
+
 def run(config, workdir: str) -> str:
   out = common.stage_dir(workdir, "traces")
   tc = config.task
@@ -102,12 +134,31 @@ def run(config, workdir: str) -> str:
     tokenizer = tok_lib.load_tokenizer(tok_path)
     count_fn = lambda s: len(tokenizer.encode(s, add_special_tokens=False))
     stats = {"tokenizer": tc.tokenizer or "traces/tokenizer", "splits": {}}
+    k = int(tc.num_candidates)
+    listed = {s: traces_lib.build_examples(d["sequences"], d["candidates"][s], s)[0]
+              for s in ("train", "valid", "test")}
+    stats["target_positions"] = {s: position_histogram(e, k) for s, e in listed.items()}
+    probs = np.asarray(stats["target_positions"]["valid"], np.float64)
+    probs = probs / probs.sum() if probs.sum() else np.full(k, 1.0 / k)
+    policy = None
+    if tc.get("trace_policy", "rule") == "fit" and not tc.traces_path:
+      record = fit_policy(d, tc)
+      policy = record["policy"]
+      common.write_json_atomic(os.path.join(tmp, "policy.json"), record)
+      v = record["valid"]
+      print(f"traces: trace policy '{record['name']}' (chosen on the training lists): valid "
+            f"Recall@1 {v['chosen']['recall@1']:.4f} against the floor "
+            f"{v['chosen']['floor_recall@1']:.4f} (the rationale's rule: "
+            f"{v['rule']['recall@1']:.4f}; n = {v['chosen']['n']})", flush=True)
     examples = {}
     for split in tc.splits:
       insert = tc.insert_target if split == "train" else "none"
       exs, counts = traces_lib.build_examples(
           d["sequences"], d["candidates"][split], split, insert_target=insert, seed=tc.seed,
-          shuffle=split == "train" and bool(tc.get("shuffle_train", False)))
+          shuffle=split == "train" and bool(tc.get("shuffle_train", False)),
+          position_probs=probs if insert == "matched" else None)
+      if split == "train":
+        stats["target_positions"]["train_as_built"] = position_histogram(exs, k)
       if tc.max_examples:
         exs = exs[:tc.max_examples]
       examples[split] = exs
@@ -127,8 +178,13 @@ def run(config, workdir: str) -> str:
       traces = {s: [t for t in imported if t["split"] == s] for s in tc.splits}
     else:
       traces = {s: [traces_lib.builtin_trace(e, items, sids, tc, count_fn,
-                                             tc.rationale_knows_target) for e in exs]
+                                             tc.rationale_knows_target, policy) for e in exs]
                 for s, exs in examples.items()}
+      if tc.get("reject_demoting", False) and "train" in traces:
+        kept = [t for t in traces["train"] if not traces_lib.demotes_target(t["order"],
+                                                                             t["target_pos"])]
+        stats["splits"]["train"]["rejected_demoting"] = len(traces["train"]) - len(kept)
+        traces["train"] = kept
     for split, ts in traces.items():
       for t in ts:
         t["prompt_text"] = prompts_lib.render_prompt_text(tokenizer, t["messages"],

@@ -18,11 +18,18 @@ def task_config() -> ml_collections.ConfigDict:
   c.short_title_words = 6        # compact variant title length
   c.max_history = 20             # most recent history items rendered (0 = all)
   c.num_candidates = 10  # candidates shown in the prompt
-  c.insert_target = "none"       # train only: 'none' | 'replace_last' | 'random_position'
+  # train only, when the retriever missed the target: 'none' (drop the user) | 'replace_last' |
+  # 'random_position' (uniform) | 'matched' (where the retriever puts targets on validation)
+  c.insert_target = "none"
   c.shuffle_train = False        # train only: candidates in a random order (see task/traces.py)
   c.rationale_tokens = 130       # built-in rationale length target, in tokens of the tokenizer
   c.rationale_style = "full"     # 'full' (sentences, length ~ rationale_tokens) | 'terse' (3 sentences)
   c.rationale_knows_target = True  # built-in rationale may rank the label first (False: a label-free rule)
+  # Label-free first pick of the built-in rationale: 'rule' (the rationale style's own) | 'fit'
+  # (task/policy.py: which relations to the last purchase may move a candidate above the
+  # retriever's #1, and how far down, chosen on the training lists; traces/policy.json)
+  c.trace_policy = "rule"
+  c.reject_demoting = False      # train only: drop traces whose ranking puts the target lower than the retriever did
   c.answer_ids = "sid"           # 'sid' (paper) | 'number': `#k` numbers (see task/answer.py)
   c.traces_path = ""             # external teacher JSONL; '' => built-in rationale generator
   c.accept = "top1"              # teacher trace rejection rule: 'top1' | 'promote'
@@ -47,7 +54,8 @@ def eval_config() -> ml_collections.ConfigDict:
 
 
 SPLITS = ("train", "valid", "test")
-INSERT_TARGET = ("none", "replace_last", "random_position")
+INSERT_TARGET = ("none", "replace_last", "random_position", "matched")
+TRACE_POLICIES = ("rule", "fit")
 TOO_LONG = ("drop", "truncate_reasoning")
 ACCEPT = ("top1", "promote")
 # Stages that read the tokenizer.
@@ -69,6 +77,10 @@ def validate(config, runs: set) -> None:
     checks.fail("task.answer_ids", f"'number' needs task.prompt_variant='minimal' (the "
                 f"{t.prompt_variant!r} prompt's instructions ask for SIDs)")
   checks.one_of(c, "task", "insert_target", INSERT_TARGET)
+  checks.one_of(c, "task", "trace_policy", TRACE_POLICIES)
+  if t.trace_policy == "fit" and t.rationale_knows_target:
+    checks.fail("task.trace_policy", "'fit' chooses a label-free first pick: needs "
+                "task.rationale_knows_target=False")
   checks.one_of(c, "task", "too_long_response", TOO_LONG)
   checks.one_of(c, "task", "accept", ACCEPT)
   for f in ("prompt_len", "response_len", "num_candidates", "demo_vocab_size"):

@@ -20,6 +20,12 @@ plan of the answer and makes the reasoning ~28 demo-BPE tokens, so that a short 
 in the block after the one holding the choice, as in the paper's regime (~130 reasoning tokens,
 the ranking written after whole blocks of reasoning): the answer block is then decoded with the
 choice already in the KV cache, instead of in parallel with it.
+'brief' is 'terse' without the SIDs (`Recent <brand> <leaf>. <relation> #<k>. So #<k> goes
+first, the others keep their order.`): with real brand and category names the terse sentences run
+to ~45 tokens and push the choice into the block the answer starts in; without the SIDs the
+reasoning (~25 tokens) ends in the first block of 32, so the answer block is denoised with the
+choice already committed. A caller (the trace policy, task/policy.py) may fix the first candidate
+and the relation the sentence names.
 Length ('full'): sentences about the other candidates (retriever order), then about earlier history
 items, are added while they bring the token count closer to `target_tokens`, counted with
 `count_fn` (the tokenizer in use); so the mean length tracks the knob.
@@ -31,7 +37,7 @@ from typing import Callable, Sequence
 
 from dgr2_jax.task import prompts
 
-STYLES = ("full", "terse")
+STYLES = ("full", "terse", "brief")
 # Relation of a candidate to the most recent purchase, strongest first.
 # Each is visible in every prompt variant (brand and leaf category of the candidate, the last
 # purchase and the history).
@@ -145,35 +151,51 @@ def relation(cand: dict, history: Sequence[dict]) -> str:
   return RELATIONS[3]
 
 
-def terse(history: Sequence[dict], hist_sids: Sequence[str], cand: dict, sid: str, pos: int) -> str:
+def terse(history: Sequence[dict], hist_sids: Sequence[str], cand: dict, sid: str, pos: int,
+          rel: str | None = None) -> str:
   """`Recent <sid> <brand> <leaf>. <relation> #<k> <sid>. So #<k> goes first, ...` (see the
   module docstring)."""
   head = f"Recent {hist_sids[-1]} {prompts.brand_leaf(history[-1])}. " if history else ""
-  return head + (f"{relation(cand, history)} #{pos + 1} {sid}. "
+  return head + (f"{rel or relation(cand, history)} #{pos + 1} {sid}. "
                  f"So #{pos + 1} goes first, the others keep their order.")
+
+
+def brief(history: Sequence[dict], pos: int, rel: str) -> str:
+  """`Recent <brand> <leaf>. <relation> #<k>. So #<k> goes first, ...` (module docstring)."""
+  head = f"Recent {prompts.brand_leaf(history[-1])}. " if history else ""
+  return head + f"{rel} #{pos + 1}. So #{pos + 1} goes first, the others keep their order."
 
 
 def generate(history: Sequence[dict], hist_sids: Sequence[str], candidates: Sequence[dict],
              cand_sids: Sequence[str], target_pos: int | None = None, *, knows_target: bool = True,
              target_tokens: int = 130, count_fn: Callable[[str], int] | None = None,
-             style: str = "full") -> tuple[str, list[int]]:
-  """Returns (reasoning text, ranking as 0-based candidate positions)."""
+             style: str = "full", first: int | None = None,
+             relation_text: str | None = None) -> tuple[str, list[int]]:
+  """Returns (reasoning text, ranking as 0-based candidate positions). `first` (a caller's
+  choice, e.g. the trace policy's) overrides `knows_target`; `relation_text` the relation the
+  terse/brief sentence names (default: the chosen candidate's)."""
   if style not in STYLES:
     raise ValueError(f"task.rationale_style must be one of {STYLES}, got {style!r}")
   count = count_fn or (lambda s: max(1, round(len(s.split()) * 1.3)))
   n = len(candidates)
-  if knows_target:
+  if first is not None:
+    if not 0 <= first < n:
+      raise ValueError(f"first={first} is not a candidate position (0..{n - 1})")
+  elif knows_target:
     if target_pos is None or not 0 <= target_pos < n:
       raise ValueError(f"knows_target=True needs a target among the candidates, got {target_pos}")
     first = target_pos
-  elif style == "terse":
+  elif style in ("terse", "brief"):
     first = min(range(n), key=lambda k: (RELATIONS.index(relation(candidates[k], history)), k))
   else:
     scores = [score(c, history) for c in candidates]
     first = max(range(n), key=lambda k: (scores[k], -k))
   ranking = [first] + [k for k in range(n) if k != first]
+  rel = relation_text or relation(candidates[first], history)
+  if style == "brief":
+    return brief(history, first, rel), ranking
   if style == "terse":
-    return terse(history, hist_sids, candidates[first], cand_sids[first], first), ranking
+    return terse(history, hist_sids, candidates[first], cand_sids[first], first, rel), ranking
   head = [_profile(history, hist_sids),
           _reason_first(candidates[first], cand_sids[first], history, hist_sids)]
   tail = (f"So {cand_sids[first]} goes first and the other candidates keep the retriever's order."

@@ -14,10 +14,13 @@ Eval sets (`insert_target='none'`, `require_target=True`) keep only users whose 
 the candidates: the paper's test set. For training, `task.insert_target` decides what happens
 when the retriever missed the target: 'none' drops the example, 'replace_last' overwrites the
 last candidate, 'random_position' removes the last candidate and inserts the target at a
-position drawn from a generator seeded by (seed, user).
+position drawn from a generator seeded by (seed, user), uniformly, 'matched' the same but at a
+position drawn from `position_probs` (the traces stage passes the validation split's histogram of
+where the retriever puts the target, so inserted targets sit where real ones do: ~1/4 at #1).
 
 Trace (JSONL record): the example fields plus `messages` (chat messages of the prompt),
-`response` (`<think>..</think>{"ranking": [...]}`, no EOS), `source` ('builtin' | 'import').
+`response` (`<think>..</think>{"ranking": [...]}`, no EOS), `source` ('builtin' | 'import'), and
+for built-in traces `order` (the response's ranking as 0-based candidate positions).
 """
 
 from __future__ import annotations
@@ -30,17 +33,19 @@ import numpy as np
 from dgr2_jax.fileio import InputError
 from dgr2_jax.task import answer as answer_lib
 from dgr2_jax.task import metrics as metrics_lib
+from dgr2_jax.task import policy as policy_lib
 from dgr2_jax.task import prompts as prompts_lib
 from dgr2_jax.task import rationale as rationale_lib
 
 SPLIT_CUT = {"train": 3, "valid": 2, "test": 1}
-INSERT_RULES = ("none", "replace_last", "random_position")
+INSERT_RULES = ("none", "replace_last", "random_position", "matched")
 ACCEPT_RULES = ("top1", "promote")
 
 
 def build_examples(sequences: Sequence[Sequence[int]], candidates: np.ndarray, split: str, *,
                    insert_target: str = "none", require_target: bool = True,
-                   seed: int = 0, shuffle: bool = False) -> tuple[list[dict], dict]:
+                   seed: int = 0, shuffle: bool = False,
+                   position_probs: Sequence[float] | None = None) -> tuple[list[dict], dict]:
   """Examples of one split plus counts of what was kept, inserted and dropped.
 
   `shuffle=True` presents each user's candidates in an order drawn from a generator seeded by
@@ -70,8 +75,14 @@ def build_examples(sequences: Sequence[Sequence[int]], candidates: np.ndarray, s
       counts["target_in_candidates"] += 1
     elif insert_target == "replace_last":
       cands[-1], pos, inserted = target, len(cands) - 1, True
-    elif insert_target == "random_position":
-      pos = int(np.random.default_rng([seed, u]).integers(len(cands)))
+    elif insert_target in ("random_position", "matched"):
+      rng = np.random.default_rng([seed, u])
+      if insert_target == "matched":
+        if position_probs is None or len(position_probs) != len(cands):
+          raise ValueError(f"insert_target='matched' needs position_probs of length {len(cands)}")
+        pos = int(rng.choice(len(cands), p=np.asarray(position_probs, np.float64)))
+      else:
+        pos = int(rng.integers(len(cands)))
       cands = cands[:-1]
       cands.insert(pos, target)
       inserted = True
@@ -96,18 +107,34 @@ def example_messages(ex: dict, items, sids, task_cfg) -> list[dict]:
 
 
 def builtin_trace(ex: dict, items, sids, task_cfg, count_fn: Callable[[str], int] | None = None,
-                  knows_target: bool = True) -> dict:
-  """A trace from the rationale generator (target first, retriever order otherwise)."""
+                  knows_target: bool = True, policy: dict | None = None) -> dict:
+  """A trace from the rationale generator: the target first (`knows_target`), the first pick of
+  `policy` (task/policy.py; its sentence names the relation that decided, or "Top pick" when #1
+  stays first), or the rationale's own rule; the retriever's order for the rest."""
   hist = ex["history"][-task_cfg.max_history:] if task_cfg.max_history > 0 else ex["history"]
+  hist_items, cand_items = [items[i] for i in hist], [items[i] for i in ex["candidates"]]
+  first = rel = None
+  if policy is not None:
+    rels = policy_lib.relations(hist_items, cand_items)
+    first = policy_lib.choose_from(rels, policy)
+    rel = rels[first] if rels[first] in policy["tiers"] else rationale_lib.RELATIONS[-1]
   reasoning, order = rationale_lib.generate(
-      [items[i] for i in hist], [sids[i] for i in hist],
-      [items[i] for i in ex["candidates"]], [sids[i] for i in ex["candidates"]],
+      hist_items, [sids[i] for i in hist], cand_items, [sids[i] for i in ex["candidates"]],
       ex["target_pos"], knows_target=knows_target, target_tokens=task_cfg.rationale_tokens,
-      count_fn=count_fn, style=task_cfg.get("rationale_style", "full"))
+      count_fn=count_fn, style=task_cfg.get("rationale_style", "full"), first=first,
+      relation_text=rel)
   ranking = answer_lib.ranking_entries(order, [sids[i] for i in ex["candidates"]],
                                        task_cfg.get("answer_ids", "sid"))
   return dict(ex, messages=example_messages(ex, items, sids, task_cfg),
-              response=answer_lib.format_response(reasoning, ranking), source="builtin")
+              response=answer_lib.format_response(reasoning, ranking), source="builtin",
+              order=order)
+
+
+def demotes_target(order: Sequence[int], target_pos: int) -> bool:
+  """True when a ranking (0-based candidate positions) puts the listed target lower than the
+  retriever did: the paper's rejection of teacher traces that do not serve the target, which
+  uses the label without ranking by it."""
+  return target_pos >= 0 and metrics_lib.target_rank(order, target_pos) > target_pos + 1
 
 
 def accept_reason(parsed: answer_lib.Parsed, target_pos: int, accept: str) -> str | None:
