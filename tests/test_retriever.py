@@ -155,3 +155,43 @@ def test_rerun_is_a_no_op(built):
   t = os.path.getmtime(done)
   assert retriever_stage.run(c, wd) == m
   assert os.path.getmtime(done) == t
+
+
+def test_holdout_training_lists_come_from_a_model_that_never_saw_their_targets(tmp_path, monkeypatch):
+  """train_lists='holdout': a second SASRec is fitted on seq[:-3] (no training target in it) and
+  ranks the training split; valid/test lists still come from the model fitted on seq[:-2]."""
+  wd = str(tmp_path)
+  c = ml_collections.ConfigDict({"seed": 0, "data": data_config.data_config(),
+                                 "retriever": data_config.retriever_config()})
+  c.data.source = "synthetic"
+  c.retriever.num_epochs = 2
+  c.retriever.eval_every = 1
+  c.retriever.train_lists = "holdout"
+  data_stage.run(c, wd)
+  seen, ranked = [], []
+
+  class Recording(sasrec.Trainer):
+    def __init__(self, cfg, n_items, train_seqs, seed):
+      super().__init__(cfg, n_items, train_seqs, seed)
+      self.tag = len(seen)
+      seen.append([list(s) for s in train_seqs])
+
+    def rank(self, histories, targets, k):
+      ranked.append((self.tag, [len(h) for h in histories]))
+      return super().rank(histories, targets, k)
+
+  monkeypatch.setattr(sasrec, "Trainer", Recording)
+  m = retriever_stage.run(c, wd)
+  seqs = api.load_sequences(wd)
+  assert seen == [[s[:-2] for s in seqs], [s[:-3] for s in seqs]]
+  train_lens = [len(s) - 3 for s in seqs]
+  # The held-out model (tag 1) ranks exactly the training split's histories.
+  assert (1, train_lens) in ranked
+  assert all(tag == 0 for tag, lens in ranked if lens != train_lens)
+  assert m["train_lists"] == "holdout" and m["train"]["n_users"] == len(seqs)
+  assert os.path.exists(os.path.join(wd, "retriever", "params_holdout.msgpack"))
+  # No training target is in the held-out model's training data, by construction above; its
+  # lists exclude the training histories as every list does.
+  cands = api.load_candidates(wd, "train")
+  h, _ = api.split_examples(seqs, "train")
+  assert all(not set(h[u]) & set(cands[u].tolist()) for u in range(len(seqs)))

@@ -233,5 +233,7 @@ def template_texts() -> list[str]:
           "So goes first and the other candidates keep the retriever's order. stays first and the "
           "retriever's order is kept. Earlier, shows a lasting interest.",
           "The user has no earlier purchases, so the candidates are judged on their own.",
-          " So # goes first, the others keep their order."] + [
+          " So # goes first, the others keep their order.",
+          "Recent . Same brand #. Same type #. Brand seen #. Top pick #. So # goes first, the "
+          "others keep their order."] + [
               n for _, n in _BANDS]

@@ -95,11 +95,14 @@ def build_demo_tokenizer(texts: Iterable[str], sid_tokens: Sequence[str], out_di
 def demo_corpus(items: Sequence[dict]) -> list[str]:
   """Texts the demo BPE is trained on: item metadata, prompt/rationale templates, JSON."""
   from dgr2_jax.task import prompts, rationale
-  # BPE merges need a pair seen twice (min_frequency=2): fixed texts go in twice, so each
-  # template word becomes one token.
-  out = 2 * (list(prompts.template_texts()) + list(rationale.template_texts()))
+  # BPE merges need a pair seen twice (min_frequency=2), and merges are taken most frequent
+  # first until the vocabulary is full: fixed texts go in twice, and once per 100 items beyond
+  # that, so each template word becomes one token with a real catalogue too (12k Beauty items'
+  # names otherwise fill the vocabulary and split "goes" into 'g' 'oes').
+  reps = max(2, len(items) // 100)
+  out = reps * (list(prompts.template_texts()) + list(rationale.template_texts()))
   out.append('{"ranking": ["", ""]}')
-  out += 2 * ['{"ranking": [' + ", ".join(str(k) for k in range(1, 21)) + "]}"]
+  out += reps * ['{"ranking": [' + ", ".join(str(k) for k in range(1, 21)) + "]}"]
   for it in items:
     out.append(it.get("title") or "")
     out.append(" > ".join(it.get("categories") or []))
