@@ -1,7 +1,7 @@
 """The recipe's quality figures on one workdir: what issues #6-#8, #17 and #19 ask to see, from one script.
 
   python benchmarks/recipe_figures.py --config=configs/demo.py --workdir=/tmp/dgr2_demo \
-      [--split=valid] [--max_examples=256] [--kl_prompts=64] [--config.x.y=...]
+      [--split=valid] [--max_examples=256] [--kl_prompts=64] [--plot=ladder_ci.png] [--config.x.y=...]
 
 1. Runs the pipeline of `--config` in `--workdir` (finished stages are skipped, so after the demo
    this costs seconds), without the frontier benchmark.
@@ -26,7 +26,7 @@
 5. Every row's diagnostics, as in `results/accuracy.md` (task/diagnostics.py): override rate,
    override precision against #1's precision on the same users, agreement with the trace policy
    (when `traces/policy.json` exists), and paired bootstrap 95% CIs of the Recall@1 difference
-   against the floor and against the AR teacher.
+   against the floor and against the AR teacher (`--plot`: both as a PNG).
 Then prints the checks of the issues' "Done when" with their measured values.
 """
 
@@ -51,6 +51,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(REPO, "configs"
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/dgr2_demo", "pipeline workdir")
 _SPLIT = flags.DEFINE_enum("split", "valid", ["valid", "test"], "held-out split to score on")
 _MAX = flags.DEFINE_integer("max_examples", 256, "examples of the split per model (0 = all)")
+_PLOT = flags.DEFINE_string("plot", "", "PNG path for the ladder's Recall@1 differences against the "
+                            "floor and the AR teacher with their 95% CIs ('' = no plot)")
 _KL_PROMPTS = flags.DEFINE_integer("kl_prompts", 256, "held-out prompts for the on-policy KL and "
                                    "sampled reward (0 = skip)")
 
@@ -102,6 +104,33 @@ def print_diagnostics(rows: list[dict]) -> None:
           f"{f(r['top1_precision_on_overrides'])} | {f(r['policy_agreement'])} | "
           f"{ci(r['delta_floor'], r['delta_floor_ci95'])} | "
           f"{ci(r['delta_teacher'], r['delta_teacher_ci95'])} |")
+
+
+def plot_deltas(rows: list[dict], path: str) -> None:
+  """Two panels, one point per model with its paired bootstrap 95% CI: Recall@1 minus the floor,
+  and minus the AR teacher (rows without the difference are left out of a panel)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(9, 0.45 * len(rows) + 1.5), sharey=True)
+  names = [r["method"] for r in rows]
+  for ax, key, title in zip(axes, ("delta_floor", "delta_teacher"),
+                            ("Recall@1 - pre-rank floor", "Recall@1 - AR teacher")):
+    for y, r in enumerate(rows):
+      if r[key] is None:
+        continue
+      lo, hi = r[key + "_ci95"]
+      ax.errorbar([r[key]], [y], xerr=[[r[key] - lo], [hi - r[key]]], fmt="o", color="k", capsize=3)
+    ax.axvline(0.0, color="gray", lw=1, ls="--")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+  axes[0].set_yticks(range(len(names)), names)
+  axes[0].invert_yaxis()
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  print(f"wrote {path}")
 
 
 def heldout_on_policy(config, workdir: str, split: str, n_prompts: int) -> dict:
@@ -213,6 +242,8 @@ def main(argv):
     print(f"| {r['method']} | {r['valid_rate']:.4f} | {r['recall1']:.4f} | {r['floor']:.4f} | "
           f"{r['reward']:.4f} | {r['nfe']:.1f} | {r['n']} |")
   print_diagnostics(rows)
+  if _PLOT.value:
+    plot_deltas(rows, _PLOT.value)
   by = {r["method"]: r for r in rows}
   onp = heldout_on_policy(config, workdir, _SPLIT.value, _KL_PROMPTS.value) if _KL_PROMPTS.value else {}
   ar_rew = heldout_ar_reward(config, workdir, _SPLIT.value, _KL_PROMPTS.value) if _KL_PROMPTS.value else {}

@@ -66,7 +66,7 @@ def test_toy_pipeline_end_to_end(smoke_workdir):
   # The quality-figures script on the same workdir: pipeline fresh, then held-out evals and KL.
   env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
   cmd = [sys.executable, "benchmarks/recipe_figures.py", CONFIG, f"--workdir={workdir}", "--max_examples=4",
-         "--kl_prompts=4"]
+         "--kl_prompts=4", f"--plot={workdir}/figures/ladder_ci.png"]
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout
@@ -81,5 +81,7 @@ def test_toy_pipeline_end_to_end(smoke_workdir):
   assert "[PASS] #17 speculative row equals the AR row" in out, out
   assert "| method | override rate | override precision |" in out, out
   assert "| speculative | " in out.split("Diagnostics")[1], out
+  with open(os.path.join(workdir, "figures", "ladder_ci.png"), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   for split_dir in ("ar-valid", "cft_opd_rl-valid"):
     assert os.path.exists(os.path.join(workdir, "eval", split_dir, "metrics.json"))
