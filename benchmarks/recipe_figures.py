@@ -1,7 +1,7 @@
 """The recipe's quality figures on one workdir: what issues #6-#8, #17 and #19 ask to see, from one script.
 
   python benchmarks/recipe_figures.py --config=configs/demo.py --workdir=/tmp/dgr2_demo \
-      [--split=valid] [--max_examples=256] [--kl_prompts=64] [--config.x.y=...]
+      [--split=valid] [--max_examples=256] [--kl_prompts=64] [--plot=ladder_ci.png] [--config.x.y=...]
 
 1. Runs the pipeline of `--config` in `--workdir` (finished stages are skipped, so after the demo
    this costs seconds), without the frontier benchmark.
@@ -23,6 +23,10 @@
    mostly prompt noise.
 4. The AR models (sft, teacher_rl) likewise: the mean reward of their own sampled rollouts of the
    same held-out prompts, which the teacher's RL maximises.
+5. Every row's diagnostics, as in `results/accuracy.md` (task/diagnostics.py): override rate,
+   override precision against #1's precision on the same users, agreement with the trace policy
+   (when `traces/policy.json` exists), and paired bootstrap 95% CIs of the Recall@1 difference
+   against the floor and against the AR teacher (`--plot`: both as a PNG).
 Then prints the checks of the issues' "Done when" with their measured values.
 """
 
@@ -40,12 +44,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from dgr2_jax import main as main_lib  # noqa: E402
+from dgr2_jax.task import diagnostics  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(REPO, "configs", "demo.py"),
                                           "pipeline config file")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/dgr2_demo", "pipeline workdir")
 _SPLIT = flags.DEFINE_enum("split", "valid", ["valid", "test"], "held-out split to score on")
 _MAX = flags.DEFINE_integer("max_examples", 256, "examples of the split per model (0 = all)")
+_PLOT = flags.DEFINE_string("plot", "", "PNG path for the ladder's Recall@1 differences against the "
+                            "floor and the AR teacher with their 95% CIs ('' = no plot)")
 _KL_PROMPTS = flags.DEFINE_integer("kl_prompts", 256, "held-out prompts for the on-policy KL and "
                                    "sampled reward (0 = skip)")
 
@@ -62,7 +69,7 @@ def ladder(config, workdir: str, split: str, max_examples: int) -> list[dict]:
   _, sids = traces_stage.load_items_sids(workdir)
   examples = {e["example_id"]: e for e in traces_lib.read_jsonl(
       os.path.join(workdir, "traces", f"{split}.jsonl"))}
-  rows = []
+  rows, preds = [], {}
   for method, stage in pipeline.ladder_methods(config):
     c = pipeline.method_config(config, workdir, method, stage)
     with c.unlocked():
@@ -72,15 +79,58 @@ def ladder(config, workdir: str, split: str, max_examples: int) -> list[dict]:
     out = eval_stage.run(c, workdir)
     with open(os.path.join(out, "metrics.json")) as f:
       m = json.load(f)
-    preds = traces_lib.read_jsonl(os.path.join(out, "predictions.jsonl"))
-    cands = [examples[p["example_id"]]["candidates"] for p in preds]
+    preds[method] = traces_lib.read_jsonl(os.path.join(out, "predictions.jsonl"))
+    cands = [examples[p["example_id"]]["candidates"] for p in preds[method]]
     parsed = [answer_lib.parse_response(p["output"], [sids[i] for i in c])
-              for p, c in zip(preds, cands)]
-    rew = grpo.rewards(parsed, [p["target_pos"] + 1 for p in preds], len(cands[0]), alpha)
+              for p, c in zip(preds[method], cands)]
+    rew = grpo.rewards(parsed, [p["target_pos"] + 1 for p in preds[method]], len(cands[0]), alpha)
     rows.append(dict(method=method, valid_rate=m["valid_rate"], recall1=m["recall@1"],
                      floor=m["prerank_floor"]["recall@1"], reward=float(rew.mean()),
                      nfe=m["mean_nfe"], n=m["n"]))
-  return rows
+  diag = pipeline.ladder_diagnostics(config, workdir, preds)   # the same columns as accuracy.md
+  return [{**r, **diag[r["method"]]} for r in rows]
+
+
+def print_diagnostics(rows: list[dict]) -> None:
+  """The ladder's diagnostics (task/diagnostics.py) of `ladder`'s rows, '-' where none applies."""
+  f = lambda v: "-" if v is None else f"{v:.4f}"
+  ci = lambda d, c: "-" if d is None else f"{d:+.4f} [{c[0]:+.4f}, {c[1]:+.4f}]"
+  print("\nDiagnostics (first pick against the retriever's #1; paired bootstrap 95% CIs):")
+  print("| method | override rate | override precision | #1 precision on overrides | "
+        "policy agreement | R@1 - floor [95% CI] | R@1 - AR teacher [95% CI] |")
+  print("|---|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['method']} | {f(r['override_rate'])} | {f(r['override_precision'])} | "
+          f"{f(r['top1_precision_on_overrides'])} | {f(r['policy_agreement'])} | "
+          f"{ci(r['delta_floor'], r['delta_floor_ci95'])} | "
+          f"{ci(r['delta_teacher'], r['delta_teacher_ci95'])} |")
+
+
+def plot_deltas(rows: list[dict], path: str) -> None:
+  """Two panels, one point per model with its paired bootstrap 95% CI: Recall@1 minus the floor,
+  and minus the AR teacher (rows without the difference are left out of a panel)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(9, 0.45 * len(rows) + 1.5), sharey=True)
+  names = [r["method"] for r in rows]
+  for ax, key, title in zip(axes, ("delta_floor", "delta_teacher"),
+                            ("Recall@1 - pre-rank floor", "Recall@1 - AR teacher")):
+    for y, r in enumerate(rows):
+      if r[key] is None:
+        continue
+      lo, hi = r[key + "_ci95"]
+      ax.errorbar([r[key]], [y], xerr=[[r[key] - lo], [hi - r[key]]], fmt="o", color="k", capsize=3)
+    ax.axvline(0.0, color="gray", lw=1, ls="--")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+  axes[0].set_yticks(range(len(names)), names)
+  axes[0].invert_yaxis()
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  print(f"wrote {path}")
 
 
 def heldout_on_policy(config, workdir: str, split: str, n_prompts: int) -> dict:
@@ -166,18 +216,6 @@ def mean_kl(per_prompt) -> float:
   return float(per_prompt[:, 0].sum() / max(per_prompt[:, 1].sum(), 1.0))
 
 
-def paired_ci(a, b, n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
-  """95% bootstrap interval of mean_kl(b) - mean_kl(a), resampling prompts (paired: same prompts)."""
-  import numpy as np
-  rs = np.random.RandomState(seed)
-  d = []
-  for _ in range(n_boot):
-    i = rs.randint(0, len(a), len(a))
-    d.append(mean_kl(b[i]) - mean_kl(a[i]))
-  lo, hi = np.percentile(d, [2.5, 97.5])
-  return float(lo), float(hi)
-
-
 def rl_reward_trend(workdir: str) -> tuple[float, float, int] | None:
   path = os.path.join(workdir, "rl", "train", "metrics.jsonl")
   if not os.path.exists(path):
@@ -203,6 +241,9 @@ def main(argv):
   for r in rows:
     print(f"| {r['method']} | {r['valid_rate']:.4f} | {r['recall1']:.4f} | {r['floor']:.4f} | "
           f"{r['reward']:.4f} | {r['nfe']:.1f} | {r['n']} |")
+  print_diagnostics(rows)
+  if _PLOT.value:
+    plot_deltas(rows, _PLOT.value)
   by = {r["method"]: r for r in rows}
   onp = heldout_on_policy(config, workdir, _SPLIT.value, _KL_PROMPTS.value) if _KL_PROMPTS.value else {}
   ar_rew = heldout_ar_reward(config, workdir, _SPLIT.value, _KL_PROMPTS.value) if _KL_PROMPTS.value else {}
@@ -225,6 +266,9 @@ def main(argv):
     checks.append(("#6 AR teacher valid rate > 0.95", ar["valid_rate"] > 0.95, f"{ar['valid_rate']:.4f}"))
     checks.append(("#6 AR teacher Recall@1 > pre-rank floor", ar["recall1"] > ar["floor"],
                    f"{ar['recall1']:.4f} vs {ar['floor']:.4f}"))
+    d, (lo, hi) = ar["delta_floor"], ar["delta_floor_ci95"]
+    checks.append(("#27 AR teacher Recall@1 at least 0.010 above the floor (paired 95% CI of the "
+                   "difference)", d >= 0.010, f"{d:+.4f} [{lo:+.4f}, {hi:+.4f}]"))
     if "naive" in by:
       nv = by["naive"]
       checks.append(("#6 naive conversion valid rate far below the teacher's (< half)",
@@ -237,7 +281,7 @@ def main(argv):
     from dgr2_jax.train import opd
     ctx = opd_stage.section(config, "opd", opd.opd_config).student_context
     a, b = onp["cft"]["kl"][ctx], onp["opd"]["kl"][ctx]
-    lo, hi = paired_ci(a, b)
+    lo, hi = diagnostics.paired_bootstrap_ci(a, b, stat=mean_kl)   # resampling prompts
     checks.append((f"#7 OPD lowers held-out KL to the teacher (its loss, {ctx} context)",
                    mean_kl(b) < mean_kl(a),
                    f"{mean_kl(a):.4f} -> {mean_kl(b):.4f} (paired 95% CI of the change [{lo:+.4f}, {hi:+.4f}])"))

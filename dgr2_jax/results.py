@@ -1,7 +1,9 @@
 """Results tables: the accuracy ladder and the speed/accuracy frontier (Markdown + JSON + PNG).
 
 `workdir/results/accuracy.{md,json}`: one row per method of the ladder (pre_rank, ar, naive, cft,
-cft_opd, cft_opd_rl; methods of ablated stages are absent) with the eval metric keys.
+cft_opd, cft_opd_rl; methods of ablated stages are absent) with the eval metric keys and the
+diagnostics of task/diagnostics.py (override rate and precision, trace-policy agreement, paired
+bootstrap 95% CIs of the Recall@1 difference against the floor and the AR teacher).
 `workdir/results/frontier.{md,json,png}`: one row per (decoder, batch size, block_size, threshold)
 plus the AR row of each batch size, with recall@1, valid_rate, tokens_per_s, nfe_per_seq, speedup
 (tokens/s over AR at the same batch size), nfe_speedup and, for speculative rows, the drafts
@@ -18,9 +20,13 @@ from typing import Sequence
 
 from dgr2_jax import fileio
 
+# The ladder's diagnostics (task/diagnostics.py; '-' where a row has none, e.g. the floor's).
+DIAGNOSTIC_COLUMNS = ("override_rate", "override_precision", "top1_precision_on_overrides",
+                      "policy_agreement", "delta_floor", "delta_floor_ci95", "delta_teacher",
+                      "delta_teacher_ci95")
 ACCURACY_COLUMNS = ("method", "recall@1", "recall@3", "ndcg@3", "valid_rate", "duplicate_rate",
                     "omission_rate", "out_of_set_rate", "unparseable_rate", "fallback_rate",
-                    "mean_nfe", "mean_reasoning_tokens", "n")
+                    "mean_nfe", "mean_reasoning_tokens", "n") + DIAGNOSTIC_COLUMNS
 FRONTIER_COLUMNS = ("decoder", "batch_size", "block_size", "threshold", "recall@1", "valid_rate",
                     "tokens_per_s", "nfe_per_seq", "speedup", "nfe_speedup", "accepted_per_pass", "n")
 
@@ -69,6 +75,8 @@ def _fmt(v) -> str:
     return str(v)
   if isinstance(v, float):
     return f"{v:.4f}" if abs(v) < 10 else f"{v:.1f}"
+  if isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, float) for x in v):
+    return f"[{v[0]:+.4f}, {v[1]:+.4f}]"   # a confidence interval
   return str(v)
 
 

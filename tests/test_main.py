@@ -287,6 +287,17 @@ def test_ladder_uses_each_model_and_ar_decoding(tmp_path, monkeypatch):
     with common.atomic_dir(os.path.join(workdir, s), f"h-{s}") as tmp:
       os.makedirs(os.path.join(tmp, "model"))
   seen = []
+  # Predictions of four users (candidates 10, 11, 12; targets at #1, #2, #2, #3) and each row's
+  # first picks (None: invalid, falls back to #1). The trace policy: same brand as the last
+  # purchase (item 1, brand A) within the top 3 -> candidate 11, #2, for every user.
+  targets = [0, 1, 1, 2]
+  picks = {"ar_sft": [0, 0, 0, 0], "ar": [1, 1, 1, 1], "naive": [None] * 4, "cft": [0, 1, 2, 0]}
+  os.makedirs(os.path.join(workdir, "traces"))
+  common.write_json_atomic(os.path.join(workdir, "traces", "policy.json"),
+                           {"policy": {"tiers": ["Same brand"], "reach": 3}})
+  items = {1: {"brand": "A"}, 10: {"brand": "Y"}, 11: {"brand": "A"}, 12: {"brand": "Z"}}
+  from dgr2_jax.data import api
+  monkeypatch.setattr(api, "load_items", lambda wd: items)
 
   def fake_eval(cfg, wd):
     seen.append((cfg.eval.name, cfg.eval.model_dir, cfg.decode.block_size, cfg.decode.mode,
@@ -296,6 +307,11 @@ def test_ladder_uses_each_model_and_ar_decoding(tmp_path, monkeypatch):
       common.write_json_atomic(os.path.join(tmp, "metrics.json"), {
           "recall@1": {"ar_sft": 0.45, "ar": 0.5, "naive": 0.1, "cft": 0.4}[cfg.eval.name], "valid_rate": 1.0,
           "n": 7, "decode": cfg.decode.to_dict(), "prerank_floor": {"recall@1": 0.2, "n": 7}})
+      with open(os.path.join(tmp, "predictions.jsonl"), "w") as f:
+        for u, (k, t) in enumerate(zip(picks[cfg.eval.name], targets)):
+          order = None if k is None else [10 + k] + [10 + j for j in range(3) if j != k]
+          f.write(json.dumps({"example_id": u, "history": [1], "candidates": [10, 11, 12],
+                              "target_pos": t, "fallback": k is None, "ranking_items": order}) + "\n")
     return out
 
   from dgr2_jax.stages import eval as eval_stage
@@ -310,6 +326,21 @@ def test_ladder_uses_each_model_and_ar_decoding(tmp_path, monkeypatch):
   sc = pipeline.method_config(c, workdir, "speculative", "opd")
   assert (sc.decode.mode, sc.decode.verifier_dir, sc.decode.block_size) == ("speculative", m("teacher_rl"), 32)
   assert os.path.exists(os.path.join(workdir, "results", "accuracy.md"))
+  # The diagnostics of each row, by hand (floor on these users: #1 is the target once in four).
+  d = {r["method"]: r for r in obj}
+  assert (d["ar"]["override_rate"], d["ar"]["override_precision"],
+          d["ar"]["top1_precision_on_overrides"], d["ar"]["policy_agreement"]) == (1.0, 0.5, 0.25, 1.0)
+  assert d["ar"]["delta_floor"] == 0.25 and d["ar"]["delta_teacher"] is None
+  assert (d["ar_sft"]["override_rate"], d["ar_sft"]["override_precision"]) == (0.0, None)
+  assert d["naive"]["override_rate"] == 0.0 and d["naive"]["delta_teacher"] == -0.25
+  assert (d["cft"]["override_rate"], d["cft"]["override_precision"], d["cft"]["policy_agreement"],
+          d["cft"]["delta_floor"], d["cft"]["delta_teacher"]) == (0.5, 0.5, 0.25, 0.25, 0.0)
+  lo, hi = d["cft"]["delta_floor_ci95"]
+  assert lo <= 0.25 <= hi and d["cft"]["n_paired_teacher"] == 4
+  md = open(os.path.join(workdir, "results", "accuracy.md")).read()
+  assert "| pre_rank | 0.2000 |" in md and md.split("| pre_rank |")[1].split("\n")[0].endswith(
+      "| - | - | - | - | - | - | - | - |")
+  assert f"| 0.2500 | [{lo:+.4f}, {hi:+.4f}] | 0.0000 |" in md
 
 
 def test_timed_generate_counts_tokens_like_generate_and_times_its_batches_again(tiny_lm):

@@ -34,6 +34,15 @@ def test_toy_pipeline_end_to_end(smoke_workdir):
   by = {r["method"]: r for r in rows}
   for k in ("recall@1", "recall@3", "ndcg@3", "valid_rate", "unparseable_rate"):  # lossless
     assert by["speculative"][k] == by["ar"][k], k
+  # The diagnostics: every model row has them (the floor none); the speculative row is the
+  # teacher's output, so its difference to the teacher is exactly zero.
+  assert "override_rate" not in by["pre_rank"]
+  for r in rows[1:]:
+    lo, hi = r["delta_floor_ci95"]
+    assert lo <= r["delta_floor"] <= hi and 0.0 <= r["override_rate"] <= 1.0, r["method"]
+    assert abs(r["recall@1"] - by["pre_rank"]["recall@1"] - r["delta_floor"]) < 1e-9, r["method"]
+  assert by["speculative"]["delta_teacher"] == 0.0 and by["speculative"]["delta_teacher_ci95"] == [0.0, 0.0]
+  assert by["ar"]["delta_teacher"] is None
   front = json.load(open(os.path.join(res, "frontier.json")))
   assert isinstance(front, list)
   frows = front
@@ -57,7 +66,7 @@ def test_toy_pipeline_end_to_end(smoke_workdir):
   # The quality-figures script on the same workdir: pipeline fresh, then held-out evals and KL.
   env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
   cmd = [sys.executable, "benchmarks/recipe_figures.py", CONFIG, f"--workdir={workdir}", "--max_examples=4",
-         "--kl_prompts=4"]
+         "--kl_prompts=4", f"--plot={workdir}/figures/ladder_ci.png"]
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout
@@ -68,7 +77,11 @@ def test_toy_pipeline_end_to_end(smoke_workdir):
   for stage in ("sft", "teacher_rl"):
     assert f"held-out on-policy, {stage} (AR) model: mean sampled reward" in out, out
   checks = [l for l in out.splitlines() if l.strip().startswith(("[PASS]", "[FAIL]"))]
-  assert len(checks) == 11, out
+  assert len(checks) == 12, out   # 11 of the recipe, one of the AR teacher against the floor
   assert "[PASS] #17 speculative row equals the AR row" in out, out
+  assert "| method | override rate | override precision |" in out, out
+  assert "| speculative | " in out.split("Diagnostics")[1], out
+  with open(os.path.join(workdir, "figures", "ladder_ci.png"), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   for split_dir in ("ar-valid", "cft_opd_rl-valid"):
     assert os.path.exists(os.path.join(workdir, "eval", split_dir, "metrics.json"))

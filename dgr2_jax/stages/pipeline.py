@@ -11,7 +11,9 @@ AR decoding (block 1) for the AR models (`ar_sft` and `ar` when `teacher_rl` run
 `config.decode` for the diffusion models, plus (`pipeline.speculative_row`) the final diffusion
 model drafting for the AR teacher (`speculative`, whose metrics equal `ar`'s exactly), into
 `workdir/eval/<method>/`, summarised in `workdir/results/accuracy.{md,json}` (with the pre-rank
-floor of the same examples). The `bench` step writes `workdir/results/frontier.*`. Each stage's
+floor of the same examples and each row's diagnostics from its predictions, task/diagnostics.py:
+override rate and precision, trace-policy agreement, paired bootstrap CIs against the floor and
+the AR teacher `ar`). The `bench` step writes `workdir/results/frontier.*`. Each stage's
 wall-clock in this run goes to `workdir/results/stage_times.json`.
 """
 
@@ -159,7 +161,7 @@ def run_ladder(config, workdir: str) -> dict:
   """Evaluates every model of the chain that exists and writes the accuracy tables."""
   from dgr2_jax import results
   from dgr2_jax.stages import eval as eval_stage
-  rows, hashes, floor = [], [], None
+  rows, hashes, floor, preds = [], [], None, {}
   for method, stage in ladder_methods(config):
     if common.read_done(common.stage_dir(workdir, stage)) is None:
       print(f"pipeline: no {stage!r} model in {workdir}; ladder row {method!r} skipped", flush=True)
@@ -167,11 +169,14 @@ def run_ladder(config, workdir: str) -> dict:
     out = eval_stage.run(method_config(config, workdir, method, stage), workdir)
     m = _read_json(os.path.join(out, "metrics.json"))
     hashes.append(common.read_done(out)["config_hash"])
+    preds[method] = _read_jsonl(os.path.join(out, "predictions.jsonl"))
     if floor is None and m.get("prerank_floor"):
       floor = {"method": "pre_rank", **m["prerank_floor"]}
     rows.append({"method": method, "model_dir": model_dir(workdir, stage),
                  "decode": m.get("decode"), **{k: v for k, v in m.items()
                                                if k not in ("decode", "prerank_floor", "examples")}})
+  diag = ladder_diagnostics(config, workdir, preds)
+  rows = [{**r, **diag[r["method"]]} for r in rows]
   if floor is not None:
     rows.insert(0, floor)
   obj = results.write_accuracy(os.path.join(workdir, "results"), rows,
@@ -179,10 +184,34 @@ def run_ladder(config, workdir: str) -> dict:
   return obj
 
 
+def ladder_diagnostics(config, workdir: str, preds: dict) -> dict:
+  """{method: task/diagnostics.py's columns} of the ladder's predictions ({method: records}): the
+  AR teacher is row 'ar'; policy agreement only when the traces stage chose a trace policy
+  (`workdir/traces/policy.json`)."""
+  from dgr2_jax.task import diagnostics
+  path = os.path.join(workdir, "traces", "policy.json")
+  picks = None
+  if os.path.exists(path):
+    from dgr2_jax.data import api
+    items = api.load_items(workdir)
+    every = {p["example_id"]: p for ps in preds.values() for p in ps}   # the rows share users
+    picks = diagnostics.policy_picks(list(every.values()), items, _read_json(path)["policy"],
+                                     int(config.task.max_history))
+  return diagnostics.ladder_diagnostics(preds, teacher="ar", policy=picks)
+
+
 def _read_json(path: str) -> dict:
   import json
   with open(path) as f:
     return json.load(f)
+
+
+def _read_jsonl(path: str) -> list:
+  import json
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} missing: the eval stage's predictions (rerun the eval stage)")
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
 
 
 def check_batch_sizes(config) -> None:
