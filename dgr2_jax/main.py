@@ -120,8 +120,10 @@ def run(config, workdir: str | None):
   for s in first:
     print(f"{PROG}: {config.stage!r} needs {s!r}, which {workdir} has not built: running it first",
           flush=True)
-    stage_fn(s)(config, workdir)
-  return stage_fn(config.stage)(config, workdir)
+    pipeline.run_timed(s, stage_fn(s), config, workdir)
+  if config.stage == "pipeline" or not workdir:
+    return stage_fn(config.stage)(config, workdir)
+  return pipeline.run_timed(config.stage, stage_fn(config.stage), config, workdir)
 
 
 def fail(msg, status: int):

@@ -226,6 +226,7 @@ def test_a_stage_alone_runs_the_stages_it_needs_first(tmp_path, monkeypatch):
   c2.stage = "bench"
   assert pipeline.missing_prerequisites(c2, str(tmp_path / "fresh"), "bench") == [
       "data", "sids", "retriever", "traces"]
+  assert pipeline.missing_prerequisites(c2, str(tmp_path / "fresh"), "retriever") == ["data"]
   c2.stage = "opd"
   c2.opd.init_from = str(tmp_path)
   assert pipeline.missing_prerequisites(c2, str(tmp_path / "w"), "opd") == []

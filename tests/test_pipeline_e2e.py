@@ -61,8 +61,13 @@ def test_toy_pipeline_end_to_end(smoke_workdir):
   assert list(times["seconds"]) == ["data", "sids", "retriever", "traces", "sft", "teacher_rl", "convert", "cft",
                                     "opd", "rl", "eval", "bench"], times
   assert times["seconds"]["sft"] > 0 and abs(times["total"] - sum(times["seconds"].values())) < 1.0
-  # Re-running finds every stage fresh and does no work.
+  # Built in this run: the build times are this run's times.
+  assert list(times["built"]) == list(times["seconds"]) and times["built"] == times["seconds"], times
+  # Re-running finds every stage fresh and does no work; the build times stay those of the run
+  # that built the stages.
   assert _main(workdir, timeout=300) < 60
+  again = json.load(open(os.path.join(res, "stage_times.json")))
+  assert again["built"]["sft"] == times["built"]["sft"] and again["seconds"]["sft"] < 30, again
   # The quality-figures script on the same workdir: pipeline fresh, then held-out evals and KL.
   env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
   cmd = [sys.executable, "benchmarks/recipe_figures.py", CONFIG, f"--workdir={workdir}", "--max_examples=4",

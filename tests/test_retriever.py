@@ -185,9 +185,11 @@ def test_holdout_training_lists_come_from_a_model_that_never_saw_their_targets(t
   seqs = api.load_sequences(wd)
   assert seen == [[s[:-2] for s in seqs], [s[:-3] for s in seqs]]
   train_lens = [len(s) - 3 for s in seqs]
-  # The held-out model (tag 1) ranks exactly the training split's histories.
-  assert (1, train_lens) in ranked
-  assert all(tag == 0 for tag, lens in ranked if lens != train_lens)
+  # The held-out model (tag 1) ranks the training split's histories, and only it does; the test
+  # lists are the first model's (the held-out one also ranks validation users to stop early).
+  test_lens = [len(s) - 1 for s in seqs]
+  assert (1, train_lens) in ranked and (0, train_lens) not in ranked
+  assert (0, test_lens) in ranked and (1, test_lens) not in ranked
   assert m["train_lists"] == "holdout" and m["train"]["n_users"] == len(seqs)
   assert os.path.exists(os.path.join(wd, "retriever", "params_holdout.msgpack"))
   # No training target is in the held-out model's training data, by construction above; its

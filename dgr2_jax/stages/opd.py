@@ -46,7 +46,8 @@ def task_setup(config, workdir: str, split: str = "train") -> dict:
   from dgr2_jax.task import tokenizer as tok_lib
   tok_dir = traces_stage.tokenizer_dir(config, workdir)
   tokenizer = tok_lib.load_tokenizer(tok_dir)
-  arrays, counts = traces_stage.load_split_arrays(config, workdir, split, tokenizer=tokenizer)
+  arrays, counts = traces_stage.load_split_arrays(config, workdir, split, tokenizer=tokenizer,
+                                                 rejected=True)
   keep = arrays["target_rank_in_candidates"] >= 1
   if not keep.any():
     raise ValueError(f"{workdir}/traces/{split}.jsonl: no {split} example has its target among the candidates")

@@ -14,7 +14,10 @@ model drafting for the AR teacher (`speculative`, whose metrics equal `ar`'s exa
 floor of the same examples and each row's diagnostics from its predictions, task/diagnostics.py:
 override rate and precision, trace-policy agreement, paired bootstrap CIs against the floor and
 the AR teacher `ar`). The `bench` step writes `workdir/results/frontier.*`. Each stage's
-wall-clock in this run goes to `workdir/results/stage_times.json`.
+wall-clock in this run goes to `workdir/results/stage_times.json` (`seconds`), beside the
+wall-clock of the run that built each stage as it now stands (`built`: recorded whenever a stage is
+built, by the pipeline or alone with `--config.stage`, so a workdir built in several sittings
+still adds up to its end-to-end cost).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import json
 import os
 import time
 
@@ -110,7 +114,9 @@ def missing_prerequisites(config, workdir: str, stage: str) -> list[str]:
     return []
   on = enabled_stages(config)
   section = config.get(stage) or {}
-  if stage in ("eval", "bench") or section.get("init_from"):  # the model is named, not the chain's
+  if stage in ("sids", "retriever"):  # each reads the data stage only
+    needed = ["data"] if "data" in on else []
+  elif stage in ("eval", "bench") or section.get("init_from"):  # the model is named, not the chain's
     needed = [s for s in _DATA_STAGES if s in on]
   else:
     needed = [s for s in on if ORDER.index(s) < ORDER.index(stage)]
@@ -234,6 +240,60 @@ def check_batch_sizes(config) -> None:
                        f"process count ({processes})")
 
 
+BUILT_TIMES = os.path.join("results", "stage_built_times.json")
+
+
+def _read_built(path: str) -> dict:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):  # none yet, or unreadable: times are a record, not an input
+    return {}
+
+
+def _done_stamp(workdir: str, stage: str):
+  """When the stage was last built: its DONE.json's mtime (the ladder: its newest row's)."""
+  d = common.stage_dir(workdir, stage)
+  files = [os.path.join(d, "DONE.json")]
+  if stage == "eval" and os.path.isdir(d):
+    files += [os.path.join(d, m, "DONE.json") for m in sorted(os.listdir(d))]
+  stamps = [os.path.getmtime(f) for f in files if os.path.exists(f)]
+  return max(stamps) if stamps else None
+
+
+def run_timed(stage: str, fn, config, workdir: str):
+  """`fn(config, workdir)`; when it (re)built `stage` (its DONE.json changed; the ladder: any
+  row's), the wall-clock goes to `workdir/results/stage_built_times.json` ({stage: {seconds,
+  config_hash}})."""
+  from dgr2_jax import multihost
+  before = _done_stamp(workdir, stage)
+  t0 = time.perf_counter()
+  out = fn(config, workdir)
+  seconds = round(time.perf_counter() - t0, 1)
+  after = _done_stamp(workdir, stage)
+  if workdir and multihost.is_writer() and after != before:
+    path = os.path.join(workdir, BUILT_TIMES)
+    built = _read_built(path)
+    done = common.read_done(common.stage_dir(workdir, stage)) or {}
+    built[stage] = {"seconds": seconds, "config_hash": done.get("config_hash")}
+    common.write_json_atomic(path, built)
+  return out
+
+
+def built_times(workdir: str, stages) -> dict:
+  """{stage: seconds of the run that built it as it now stands} for the stages recorded with
+  their current config hash (the ladder, which has none of its own: its last build)."""
+  path = os.path.join(workdir, BUILT_TIMES)
+  built = _read_built(path)
+  out = {}
+  for s in stages:
+    b = built.get(s)
+    done = common.read_done(common.stage_dir(workdir, s)) or {}
+    if b and (s == "eval" or b.get("config_hash") == done.get("config_hash")):
+      out[s] = b["seconds"]
+  return out
+
+
 def run(config, workdir: str) -> dict:
   """Runs the enabled stages in order; returns {stage: its return value}."""
   out, times = {}, {}
@@ -242,13 +302,13 @@ def run(config, workdir: str) -> dict:
   for i, s in enumerate(stages):
     print(f"pipeline: [{i + 1}/{len(stages)}] {s}", flush=True)
     t0 = time.perf_counter()
-    if s == "eval":
-      out[s] = run_ladder(config, workdir)
-    else:
-      out[s] = stage_fn(s)(config, workdir)
+    out[s] = run_timed(s, run_ladder if s == "eval" else stage_fn(s), config, workdir)
     times[s] = round(time.perf_counter() - t0, 1)
     print(f"pipeline: {s} took {times[s]:.0f} s", flush=True)
-    # This run's wall-clock per stage (a fresh stage that was skipped shows ~0 s).
+    # This run's wall-clock per stage (a fresh stage that was skipped shows ~0 s), and the
+    # wall-clock of the runs that built the stages as they stand.
+    built = built_times(workdir, stages)
     common.write_json_atomic(os.path.join(workdir, "results", "stage_times.json"),
-                             {"seconds": times, "total": round(sum(times.values()), 1)})
+                             {"seconds": times, "total": round(sum(times.values()), 1),
+                              "built": built, "built_total": round(sum(built.values()), 1)})
   return out

@@ -103,7 +103,8 @@ def run(config, workdir: str) -> dict:
       trainer = sasrec.Trainer(cfg, n_items, train_seqs, int(config.seed))
       vh, vt = api.split_examples(seqs, "valid")
       log = trainer.fit(vh, vt)
-      cands = {s: trainer.rank(api.split_examples(seqs, s)[0], None, k)[0] for s in api.SPLITS}
+      own = [s for s in api.SPLITS if s != "train" or cfg.train_lists == "same"]
+      cands = {s: trainer.rank(api.split_examples(seqs, s)[0], None, k)[0] for s in own}
       with open(os.path.join(tmp, "params.msgpack"), "wb") as f:
         f.write(flax.serialization.to_bytes(trainer.params))
       if cfg.train_lists == "holdout":

@@ -8,6 +8,8 @@ Reads `workdir/data`, `workdir/sids`, `workdir/retriever` through `dgr2_jax.data
 - `<split>.jsonl` for each of `config.task.splits`: one trace per line (example_id, user, split,
   history, target, candidates, target_pos, inserted, messages, prompt_text, response, source).
   Built-in rationales unless `config.task.traces_path` names a teacher JSONL (rejection-sampled).
+  With `task.reject_demoting`, training traces whose ranking demotes the target carry
+  `"sft": false`: supervised stages skip them, on-policy stages still prompt with them.
 - `stats.json`: example counts, rejection counts, prompt/response token statistics, what the
   static shapes would truncate or drop, the pre-rank floor per split, and where the target sits
   among the candidates in each split (`target_positions`: the retriever's lists, and the training
@@ -50,15 +52,19 @@ def load_task_data(workdir: str) -> dict:
               candidates={s: api.load_candidates(workdir, s) for s in ("train", "valid", "test")})
 
 
-def load_split_arrays(config, workdir: str, split: str = "train", tokenizer=None) -> tuple[dict, dict]:
-  """Arrays of `workdir/traces/<split>.jsonl` (written by this stage), for the trainers."""
+def load_split_arrays(config, workdir: str, split: str = "train", tokenizer=None,
+                      rejected: bool = False) -> tuple[dict, dict]:
+  """Arrays of `workdir/traces/<split>.jsonl` (written by this stage), for the trainers. Traces
+  marked `"sft": false` (rejected: `task.reject_demoting`) are left out unless `rejected` (the
+  on-policy stages' prompts: every user, whatever its trace said)."""
   path = os.path.join(workdir, "traces", f"{split}.jsonl")
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path} missing: run --config.stage=traces first")
   if tokenizer is None:
     tokenizer = tok_lib.load_tokenizer(tokenizer_dir(config, workdir))
   items, sids = load_items_sids(workdir)
-  return pipeline_lib.build_arrays(traces_lib.read_jsonl(path), tokenizer, items, sids, config.task,
+  records = [r for r in traces_lib.read_jsonl(path) if rejected or r.get("sft", True)]
+  return pipeline_lib.build_arrays(records, tokenizer, items, sids, config.task,
                                    desc=f"tokenize {split}")
 
 
@@ -181,10 +187,12 @@ def run(config, workdir: str) -> str:
                                              tc.rationale_knows_target, policy) for e in exs]
                 for s, exs in examples.items()}
       if tc.get("reject_demoting", False) and "train" in traces:
-        kept = [t for t in traces["train"] if not traces_lib.demotes_target(t["order"],
-                                                                             t["target_pos"])]
-        stats["splits"]["train"]["rejected_demoting"] = len(traces["train"]) - len(kept)
-        traces["train"] = kept
+        # Kept in the file, marked: SFT and CFT skip them, the on-policy stages' prompts do not.
+        for t in traces["train"]:
+          if traces_lib.demotes_target(t["order"], t["target_pos"]):
+            t["sft"] = False
+        stats["splits"]["train"]["rejected_demoting"] = sum(
+            1 for t in traces["train"] if not t.get("sft", True))
     for split, ts in traces.items():
       for t in ts:
         t["prompt_text"] = prompts_lib.render_prompt_text(tokenizer, t["messages"],

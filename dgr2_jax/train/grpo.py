@@ -49,6 +49,11 @@ def rl_config() -> ml_collections.ConfigDict:
   c.grad_accum_steps = 1  # micro-batches per optimiser step
   c.replay_max_segments = 8    # replay canvases per block: as opd.opd_config() explains
   c.rollout_batch_size = 0     # rows decoded per call (0 = all at once): as opd.opd_config() explains
+  # Validation curve: greedy Recall@1 on the first `valid_prompts` validation users before the
+  # first step and every `valid_every` steps (0 = none), in the stage's valid_curve.json.
+  c.valid_every = 0
+  c.valid_prompts = 512
+  c.keep_best = False          # the model of the curve's best point, not the last step's
   return c
 
 

@@ -169,11 +169,19 @@ def left_to_right_commit_steps(commit_step: np.ndarray) -> np.ndarray:
 
 def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
                     make_batch: Callable[[dict, dict, jax.Array], tuple[dict, dict]],
-                    prompt_iter, mesh=None, desc: str = "on-policy", frozen=None) -> dict:
+                    prompt_iter, mesh=None, desc: str = "on-policy", frozen=None,
+                    validate: Callable[[dict], dict] | None = None, validate_every: int = 0,
+                    keep_best: bool = False) -> dict:
   """`loop.train` for on-policy stages (see the module docstring). `config.train.batch_size` is
   the number of ROWS `make_batch` returns (prompts per step * rollouts per prompt). `frozen` (e.g.
   the teacher's params) is placed once with its parameter shardings and passed to every step as
-  `loss_fn(params, batch, rng, frozen)`; it is neither trained nor checkpointed."""
+  `loss_fn(params, batch, rng, frozen)`; it is neither trained nor checkpointed.
+
+  `validate(params) -> {"valid_recall@1": x, ...}` runs before the first step and every
+  `validate_every` steps (and at the last): its numbers join that step's metrics and the returned
+  state's `valid_curve`. `keep_best` returns the params of the curve's best point (ties: the
+  earliest), so the number of steps is chosen on validation; it holds one more copy of the params
+  on the devices, and a resumed run's curve starts at the resumed step."""
   tc = config.train
   total, gb, k = int(tc.total_steps), int(tc.batch_size), int(tc.grad_accum_steps)
   if total <= 0:
@@ -216,7 +224,20 @@ def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
   rollout_root = jax.random.PRNGKey(int(config.seed) + 1)
   ckpt_every = max(int(tc.checkpoint_every), 1)
   last_saved = start if start else None
+  curve, best = [], None   # best: (value, step, params copy)
+
+  def run_validation(s: int) -> dict:
+    nonlocal best
+    vm = {n: float(v) for n, v in validate(state["params"]).items()}
+    curve.append({"step": s, **vm})
+    if keep_best and (best is None or vm["valid_recall@1"] > best[0]):
+      best = (vm["valid_recall@1"], s, jax.tree_util.tree_map(jnp.copy, state["params"]))
+    return vm
+
+  validating = validate is not None and validate_every > 0
   try:
+    if validating:
+      logging.info("%s: step %d validation %s", desc, start, run_validation(start))
     for s in range(start + 1, total + 1):
       t0 = time.perf_counter()
       prompts = next(prompt_iter)
@@ -229,6 +250,8 @@ def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
           "rollout_metrics", [float(x) for x in host_m.values()])))} if host_m else host_m
       m.update(host_m)
       m.update(rollout_time_s=t1 - t0, update_time_s=time.perf_counter() - t1)
+      if validating and (s % validate_every == 0 or s == total):
+        m.update(run_validation(s))
       loop.stop_if_not_finite(m, s, total, desc, writer, manager, last_saved)
       writer.write(s, m)
       writer.bar(s, m)
@@ -239,4 +262,6 @@ def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
   finally:
     writer.close()
     manager.close()
-  return state
+  if best is not None:
+    state = dict(state, params=best[2])
+  return dict(state, valid_curve=curve, best_step=None if best is None else best[1])
