@@ -105,6 +105,11 @@ class DecodeConfig:
   # once per `steps_per_sync` steps and runs that many steps on the device in between, a finished
   # row's steps masked (module docstring, "Host round trips").
   steps_per_sync: int = 8
+  # Speculative decoding (decode/speculative.py; static): the verifier runs after every
+  # `verify_every` drafter steps, on every row whose draft is ready, a fixed schedule with no host
+  # round trip (a divisor of `steps_per_sync`); 0 = whenever enough rows are ready, decided on the
+  # device (a `lax.cond` per drafter step: a host round trip each on a GPU, but no row waits).
+  verify_every: int = 2
 
   def __post_init__(self):
     if self.kv_write not in KV_WRITES:
@@ -122,6 +127,8 @@ class DecodeConfig:
       raise ValueError(f"decode.top_p must be in (0, 1], got {self.top_p}")
     if self.steps_per_sync < 1:
       raise ValueError(f"decode.steps_per_sync must be >= 1, got {self.steps_per_sync}")
+    if self.verify_every < 0:
+      raise ValueError(f"decode.verify_every must be >= 0, got {self.verify_every}")
     if self.steps_per_block < 0:
       raise ValueError(f"decode.steps_per_block must be >= 0, got {self.steps_per_block}")
     if self.block_size > 1 and self.mask_token_id is None:
