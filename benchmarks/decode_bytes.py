@@ -13,8 +13,11 @@ compiled by XLA for this machine's backend, and its optimised HLO is read:
     weights itself (not through a nested loop); every instruction of its body that consumes a
     weight (or a bitcast / loop-carried alias of one) reads it: a fusion reads the whole operand
     unless the fused computation only slices or gathers it (then: the slice's bytes), a nested
-    loop's reads count its known trip count times, a conditional its most expensive branch. Per
-    weight leaf: bytes read / the leaf's bytes. The untied input embedding is only gathered (a
+    loop's reads count its known trip count times, a conditional its most expensive branch. A
+    nested loop that reads layer weights itself is a decode loop too, whose iterations are steps
+    of their own (a speculative round's drafter steps, nested in the cycle that ends with the
+    verifier's pass): its reads count per its own step. Per weight leaf: bytes read / the leaf's
+    bytes. The untied input embedding is only gathered (a
     few rows a step) and is not a target;
   * f32 converts of weights in the loop: converts of a weight to f32 inside the loop, and
     weights that enter the loop as f32 copies of bf16 parameters (a convert hoisted out of the
@@ -393,9 +396,20 @@ def analyse(compiled_text: str, leaves: list) -> dict:
   decode = step_loops(loops, paths)
   if not decode:
     raise ValueError("no decode loop found: no while loop reads a layer's weights")
+  steps = {id(lp) for lp in decode}
+
+  def step_reads(lp):
+    """Reads per iteration of a decode loop; a decode loop nested in it is a step of its own (the
+    speculative drafter's steps inside a verification cycle) and counts there, not here."""
+    out = dict(lp.own)
+    for ch in lp.children:
+      if id(ch) not in steps:
+        for k, v in step_reads(ch).items():
+          out[k] = out.get(k, 0) + v * (ch.trip or 1)
+    return out
   reads = {}
   for lp in decode:   # several decode loops (e.g. a peeled step): the largest reads per leaf
-    for k, v in lp.reads().items():
+    for k, v in step_reads(lp).items():
       reads[k] = max(reads.get(k, 0), v)
   sizes = [int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for _, x in leaves]
   ratio = {paths[k]: reads.get(k, 0) / sizes[k] for k in range(len(paths))}   # rows gathered aside

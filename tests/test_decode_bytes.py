@@ -56,6 +56,29 @@ def test_counter_on_a_known_program():
   assert res["reads"]["layers_0/w"] == 1.0 and not res["converts"] and res["round_trips_per_token"] == 0.0
 
 
+def test_counter_on_nested_decode_loops():
+  """A speculative group's shape: 3 cycles of (2 steps reading w, then one reading v) in a
+  data-dependent loop. Each loop that reads a layer itself is a step: w and v read once per their
+  own step, and 1 host round trip per 9 steps; a layer weight read twice inside one step is not
+  hidden by the nesting."""
+  def f(w, v, x):
+    def cycle(_, y):
+      y = jax.lax.fori_loop(0, 2, lambda _, z: z @ w, y)
+      return y @ v
+    return jax.lax.while_loop(lambda c: c[0] < c[1].sum(), lambda c: (c[0] + 1, jax.lax.fori_loop(0, 3, cycle, c[1])),
+                              (0, x))
+  args = (sd((16, 16), jnp.bfloat16), sd((16, 16), jnp.bfloat16), sd((2, 16), jnp.bfloat16))
+  res = _counts(f, args, ["layers_0/w", "layers_1/v"])
+  assert res["reads"] == {"layers_0/w": 1.0, "layers_1/v": 1.0}
+  assert res["round_trips_per_token"] == pytest.approx(1 / 9)
+
+  def twice(w, v, x):   # v read in the cycle and again by a second matmul: 2 per step
+    cycle = lambda _, y: jax.lax.fori_loop(0, 2, lambda _, z: z @ w, y) @ v @ v
+    return jax.lax.while_loop(lambda c: c[0] < c[1].sum(), lambda c: (c[0] + 1, jax.lax.fori_loop(0, 3, cycle, c[1])),
+                              (0, x))
+  assert _counts(twice, args, ["layers_0/w", "layers_1/v"])["reads"]["layers_1/v"] == 2.0
+
+
 def _qwen_vocab_config(**kw):
   """Qwen3's vocabulary at a tiny width (shapes only: nothing is allocated)."""
   return Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
