@@ -9,11 +9,12 @@ gives; sampled, a draw from the verifier's decoding distribution (speculative sa
 A round of one row, at the drafter's active block j whose positions [jB, n) are accepted:
   1. draft: the drafter denoises the block's masked positions until none is left (before a drafted
      EOS), one drafter forward per loop iteration, its step budget restarting each round;
-  2. verify (in the iteration the draft completes): the verifier runs one causal forward over
-     [pending token | the block's drafts] (the pending token is the last accepted one, or the
-     last prompt token, whose K/V the verifier has not written yet) against its own KV cache, so
-     its logits at window slot k are its distribution for position n + k given everything
-     accepted and the drafts before it;
+  2. verify (at the batch's next verifier pass, `decode.verify_every` below): the verifier runs
+     one causal forward over [pending token | the block's drafts] (the pending token is the last
+     accepted one, or the last prompt token, whose K/V the verifier has not written yet) against
+     its own KV cache, so its logits at window slot k are its distribution for position n + k
+     given everything accepted and the drafts before it. A complete draft waits for that pass
+     unchanged (its drafts and its round's key are fixed): when it is verified changes no output;
   3. accept: greedy keeps the longest prefix of drafts equal to the verifier's argmax and appends
      the verifier's argmax at the first mismatch. Sampled keeps draft k with probability
      min(1, p_k(d_k) / q_k(d_k)) (p the verifier's, q the drafter's decoding distribution at the
@@ -40,11 +41,23 @@ emitted each position, -1 never), eos_pos, rounds (= verifier passes), drafter_p
 forwards, K/V writes included), accepted (drafts accepted), round_accepts [B,R] (drafts accepted in
 round i, -1 past the last round), nfe (drafter + verifier forwards), and for the batch:
 forward_passes (loop steps that ran with at least one unfinished row: each runs a drafter forward),
-masked_steps (steps run after every row finished, the tail of the last `steps_per_sync` group:
-wasted work) and verifier_calls (verifier forwards).
-Host round trips (decode/sampler.py): the loop is a `while_loop` over `decode.steps_per_sync` steps
-of fixed count, so its predicate reaches the host once per that many steps; one `lax.cond` per step
-remains, the verification's (it skips a verifier forward whenever no row is ready).
+masked_steps (drafter steps run after every row finished, the tail of the last `steps_per_sync`
+group: wasted work), verifier_calls (verifier forwards that verified at least one row) and
+verifier_forwards (every verifier forward run: the batch's wall-clock cost is forward_passes +
+masked_steps drafter forwards and verifier_forwards verifier forwards). NFE counts a row's useful
+forwards only: a step it spent waiting for its verification is in neither of its counts.
+
+Host round trips (decode/sampler.py "Host round trips"): the loop is a `while_loop` ("is every row
+finished?") over `decode.steps_per_sync` (k) drafter steps in loops of static trip count, so its
+predicate is the only one that reaches the host: once per k drafter steps. The verifier's pass runs
+on a static schedule, `decode.verify_every` (m, a divisor of k): k / m cycles of m drafter steps
+followed by one verifier forward over every ready row (a row not ready changes nothing). A
+draft completed before the cycle's end waits for it: up to m - 1 drafter steps, which at batch 1
+are forwards of nothing. m = 0 restores the verification on the device's decision (a `lax.cond`
+per drafter step, run when at least half of the live rows are ready): no wait, but a host round
+trip per drafter step on a GPU. Which costs less depends on the round trip's share of a step
+(docs/decoding_rounds.md).
+
 decode/reference.py `reference_speculative` is the plain-Python judge of this loop.
 """
 
