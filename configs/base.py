@@ -76,8 +76,8 @@ def decode_config() -> ml_collections.ConfigDict:
   # `verifier_dir` verifies; '' = the workdir's AR teacher). Speculative output is the verifier's.
   c.mode = "threshold"
   c.verifier_dir = ""  # mode='speculative': the verifying AR model ('' = the workdir's AR teacher)
-  # How a finished block's clean K/V are written (decode/sampler.py): 'auto' = 'separate' on CPU,
-  # 'fused' on accelerators; 'fused' | 'separate' force one.
+  # How a finished block's clean K/V are written (decode/sampler.py): 'auto' = 'separate' on CPU;
+  # on accelerators 'fused' up to 2 rows per device, 'separate' beyond; 'fused' | 'separate' force one.
   c.kv_write = "auto"
   # Decode steps per host round trip (decode/sampler.py): the decode loop asks "is every row
   # finished?" once per this many steps; up to this many - 1 steps after the last row finished

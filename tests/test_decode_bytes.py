@@ -86,7 +86,7 @@ def _qwen_vocab_config(**kw):
                      mask_token_id=151935, eos_token_id=0, pad_token_id=0, **kw)
 
 
-@pytest.mark.parametrize("program,batch", [("ar", 8), ("diffusion", 64), ("speculative", 8)])
+@pytest.mark.parametrize("program,batch", [("ar", 8), ("diffusion", 64), ("diffusion_fused", 8), ("speculative", 8)])
 def test_bf16_decoder_reads_each_weight_once_and_converts_none(program, batch):
   """The lowered decode loop at Qwen3's vocabulary: every weight (LM head included; the untied
   input embedding is only gathered) read once per step, no weight converted to f32; computing in

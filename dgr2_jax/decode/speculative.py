@@ -108,6 +108,7 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
   if prompt_tokens.shape[1] < bsz + 1:
     prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (bsz + 1 - prompt_tokens.shape[1], 0)))
   b, p = prompt_tokens.shape
+  kv_write = sampler.resolve_kv_write(kv_write, -(-b // dmesh.data_size(mesh)))   # by rows per device
   r = num_blocks * bsz
   s_d, s_v = p + r, p + r + bsz                                       # the verifier's windows overhang
   vv = vcfg.vocab_size
@@ -344,7 +345,7 @@ def compiled_speculative(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, 
   `mesh`: see `sampler.compiled_decoder`. `verify_every`: DecodeConfig.verify_every."""
   check_schedule(steps_per_sync, verify_every)
   fn = functools.partial(_decode, dcfg, vcfg, block_size, max_new_tokens // block_size, tuple(eos_ids), mask_id,
-                         sampler.resolve_kv_write(kv_write), bool(sampled), bool(accept_all), route,
+                         kv_write, bool(sampled), bool(accept_all), route,
                          int(steps_per_sync), int(verify_every), mesh=mesh)
   return jax.jit(fn)
 
