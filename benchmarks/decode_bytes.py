@@ -620,7 +620,8 @@ def check(rows: list) -> list:
     if r["round_trips_per_token"] > MAX_ROUND_TRIPS_PER_TOKEN + 1e-9:
       missed.append(f"{tag}: {r['round_trips_per_token']:.3f} host round trips per generated token "
                     f"(target <= {MAX_ROUND_TRIPS_PER_TOKEN:.3f})")
-    if r["program"].startswith("diffusion") and r["batch"] == 64 and r["weight_read_ratio"] > MAX_B64_DIFFUSION_WEIGHT_RATIO:
+    if (r["program"].startswith("diffusion") and r["batch"] == 64
+        and r["weight_read_ratio"] > MAX_B64_DIFFUSION_WEIGHT_RATIO):
       missed.append(f"{tag}: weight bytes per step {r['weight_read_ratio']:.3f}x the weights "
                     f"(target <= {MAX_B64_DIFFUSION_WEIGHT_RATIO}x)")
   return missed

@@ -94,8 +94,8 @@ def check_schedule(steps_per_sync: int, verify_every: int) -> None:
 
 def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: int, eos_ids: tuple,
             mask_id: int, kv_write: str, sampled: bool, accept_all: bool, route: str | None, steps_per_sync: int,
-            verify_every: int, dparams, vparams, prompt_tokens, prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block,
-            *, mesh=None):
+            verify_every: int, dparams, vparams, prompt_tokens, prompt_len, threshold, temperature, top_k, top_p,
+            rng, steps_per_block, *, mesh=None):
   bsz = block_size
   if route in ("greedy", "sampled"):
     # The filters are off (top_k 0, top_p 1 at run time too): as constants they let XLA drop the
@@ -304,7 +304,8 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
     return jax.lax.fori_loop(0, steps_per_sync // verify_every, lambda _, x: cycle(x), st)
 
   st = dict(
-      iteration=jnp.int32(0), verifier_calls=jnp.int32(0), verifier_forwards=jnp.int32(0), forward_passes=jnp.int32(0), masked_steps=jnp.int32(0),
+      iteration=jnp.int32(0), verifier_calls=jnp.int32(0), verifier_forwards=jnp.int32(0),
+      forward_passes=jnp.int32(0), masked_steps=jnp.int32(0),
       block=jnp.zeros((b,), jnp.int32), first=jnp.ones((b,), bool), dstep=jnp.zeros((b,), jnp.int32),
       round_start=jnp.zeros((b,), jnp.int32), canvas=jnp.full((b, r + bsz), mask_id, jnp.int32),
       cstep=jnp.full((b, r + bsz), -1, jnp.int32), eos_draft=jnp.full((b,), r, jnp.int32),
@@ -323,7 +324,8 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
               eos_pos=st["eos_pos"], rounds=st["rounds"], drafter_passes=st["drafter_passes"],
               accepted=st["accepted"], round_accepts=st["round_accepts"], forward_passes=st["forward_passes"],
               masked_steps=st["masked_steps"],
-              verifier_calls=st["verifier_calls"], verifier_forwards=st["verifier_forwards"], nfe=st["drafter_passes"] + st["rounds"],
+              verifier_calls=st["verifier_calls"], verifier_forwards=st["verifier_forwards"],
+              nfe=st["drafter_passes"] + st["rounds"],
               commit_step=st["commit_round"], steps=st["rounds"])
 
 
