@@ -5,16 +5,20 @@
   python benchmarks/decode_bytes.py --shapes=qwen3_0p6b --batch_sizes=1 --programs=ar
 
 For each model shape (Qwen3-0.6B, Qwen3-8B; bf16 parameters, compute dtype 'auto'), program (the AR
-decoder, the block-diffusion decoder with a 32-slot window, a speculative round: that drafter
-verified by the AR model) and batch size, the decoder is lowered from `jax.ShapeDtypeStruct`s and
+decoder, the block-diffusion decoder with a 32-slot window and `kv_write` 'separate', the same with
+'fused' (a 64-slot window on every step), a speculative round: that drafter verified by the AR
+model) and batch size, the decoder is lowered from `jax.ShapeDtypeStruct`s and
 compiled by XLA for this machine's backend, and its optimised HLO is read:
 
   * weight reads per step: the decode loop is the innermost `while` whose body reads a layer's
     weights itself (not through a nested loop); every instruction of its body that consumes a
     weight (or a bitcast / loop-carried alias of one) reads it: a fusion reads the whole operand
     unless the fused computation only slices or gathers it (then: the slice's bytes), a nested
-    loop's reads count its known trip count times, a conditional its most expensive branch. Per
-    weight leaf: bytes read / the leaf's bytes. The untied input embedding is only gathered (a
+    loop's reads count its known trip count times, a conditional its most expensive branch. A
+    nested loop that reads layer weights itself is a decode loop too, whose iterations are steps
+    of their own (a speculative round's drafter steps, nested in the cycle that ends with the
+    verifier's pass): its reads count per its own step. Per weight leaf: bytes read / the leaf's
+    bytes. The untied input embedding is only gathered (a
     few rows a step) and is not a target;
   * f32 converts of weights in the loop: converts of a weight to f32 inside the loop, and
     weights that enter the loop as f32 copies of bf16 parameters (a convert hoisted out of the
@@ -29,7 +33,10 @@ compiled by XLA for this machine's backend, and its optimised HLO is read:
   * the ideal: the weights read once (the gathered rows of an untied input embedding aside) + the
     KV cache read once + the window's K/V written; and the roofline steps/s and tokens/s on an H100
     (3.35 TB/s) and an H200 (4.8 TB/s) that follow (AR: one token per row and step; diffusion and
-    speculative: `--commits` tokens per row and step).
+    speculative: `--commits` tokens per row and step); and the steps/s that XLA's FLOPs per step
+    allow at 989 TFLOP/s (dense bf16 on either): a step runs at the lower of the two rates. A
+    'fused' window doubles a step's FLOPs and saves each row the step it spends on a block's K/V
+    write with 'separate' (decode/sampler.py `resolve_kv_write` picks by rows from these columns).
 
 Depth: every layer is the same program, so the counts are made at `--layers` (default 2) and the
 per-layer ones checked equal across those layers; bytes and FLOPs are extrapolated exactly to the
@@ -59,7 +66,7 @@ from dgr2_jax.model.config import Qwen3Config  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["qwen3_0p6b", "qwen3_8b"], "model shapes (SHAPES)")
-flags.DEFINE_list("programs", ["ar", "diffusion", "speculative"], "decoders")
+flags.DEFINE_list("programs", ["ar", "diffusion", "diffusion_fused", "speculative"], "decoders")
 flags.DEFINE_list("batch_sizes", ["1", "8", "64"], "batch sizes")
 flags.DEFINE_integer("prompt_len", 2200, "prompt tokens")
 flags.DEFINE_integer("max_new_tokens", 128, "response slots (the KV cache holds prompt + these)")
@@ -79,6 +86,7 @@ SHAPES = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
 }
 HBM = {"H100": 3.35e12, "H200": 4.8e12}   # bytes/s
+PEAK = {"H100": 989e12, "H200": 989e12}   # dense bf16 FLOP/s (SXM)
 MAX_ROUND_TRIPS_PER_TOKEN = 1 / 8
 MAX_B64_DIFFUSION_WEIGHT_RATIO = 1.05
 
@@ -393,9 +401,20 @@ def analyse(compiled_text: str, leaves: list) -> dict:
   decode = step_loops(loops, paths)
   if not decode:
     raise ValueError("no decode loop found: no while loop reads a layer's weights")
+  steps = {id(lp) for lp in decode}
+
+  def step_reads(lp):
+    """Reads per iteration of a decode loop; a decode loop nested in it is a step of its own (the
+    speculative drafter's steps inside a verification cycle) and counts there, not here."""
+    out = dict(lp.own)
+    for ch in lp.children:
+      if id(ch) not in steps:
+        for k, v in step_reads(ch).items():
+          out[k] = out.get(k, 0) + v * (ch.trip or 1)
+    return out
   reads = {}
   for lp in decode:   # several decode loops (e.g. a peeled step): the largest reads per leaf
-    for k, v in lp.reads().items():
+    for k, v in step_reads(lp).items():
       reads[k] = max(reads.get(k, 0), v)
   sizes = [int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for _, x in leaves]
   ratio = {paths[k]: reads.get(k, 0) / sizes[k] for k in range(len(paths))}   # rows gathered aside
@@ -469,7 +488,7 @@ def decoder_program(program: str, cfg: Qwen3Config, batch: int, prompt_len: int,
     return fn, (pshape, pshape, toks, lens) + scalars, leaves_of((pshape, pshape))
   bs = 1 if program == "ar" else block
   dc = sampler.DecodeConfig(block_size=bs, max_new_tokens=new_tokens, eos_ids=(0,), mask_token_id=mask,
-                            kv_write="separate")
+                            kv_write="fused" if program == "diffusion_fused" else "separate")
   fn = sampler.decoder_for(cfg, dc)[1]
   return fn, (pshape, toks, lens) + scalars, leaves_of(pshape)
 
@@ -479,12 +498,13 @@ def step_program(program: str, cfg: Qwen3Config, batch: int, slots: int, block: 
   the vocabulary term of its predicting positions, as one decoding step runs them."""
   pshape = qwen3.param_shapes(cfg)
   sd = jax.ShapeDtypeStruct
-  width = 1 if program == "ar" else block
-  c = cfg.as_block_diffusion(1) if width == 1 else cfg.as_block_diffusion(width)
+  width = {"ar": 1, "diffusion_fused": 2 * block}.get(program, block)   # fused: [previous block | canvas]
+  c = cfg.as_block_diffusion(1) if width == 1 else cfg.as_block_diffusion(min(width, block))
   cache = jax.eval_shape(lambda: qwen3.init_cache(c, batch, slots))
 
   def step(params, cache, tokens, start, plen, positions, keys):
     h, cache = sampler.window_forward(c, params, tokens, start, cache, plen, slots - 256, positions, return_hidden=True)
+    h = h[:, width - min(width, block):]                     # the predicting positions (fused: the canvas's)
     tok, lp = sampler.choose(c, params, h, keys, jnp.float32(0), jnp.int32(0), jnp.float32(1), c.mask_token_id)
     return tok, lp, cache
 
@@ -554,7 +574,8 @@ def measure(shape: str, program: str, batch: int) -> dict:
   read = sum(ratio_of(p) * int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for p, x in full_leaves)
   c = cfg_full
   slots = FLAGS.prompt_len + FLAGS.max_new_tokens
-  width = {"ar": 1, "diffusion": FLAGS.block_size, "speculative": 2 * FLAGS.block_size + 1}[program]
+  width = {"ar": 1, "diffusion": FLAGS.block_size, "diffusion_fused": 2 * FLAGS.block_size,
+           "speculative": 2 * FLAGS.block_size + 1}[program]
   kv_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2   # bf16 K and V, all layers
   kv_read = batch * slots * kv_token * (2 if program == "speculative" else 1)
   ideal = weights_read + kv_read + batch * width * kv_token
@@ -571,6 +592,7 @@ def measure(shape: str, program: str, batch: int) -> dict:
       xla_bytes_gb=scale(0) / 1e9, xla_tflops=scale(1) / 1e12, ideal_gb=ideal / 1e9,
       roofline_steps_h100=HBM["H100"] / ideal, roofline_steps_h200=HBM["H200"] / ideal,
       roofline_tok_h100=tokens * HBM["H100"] / ideal, roofline_tok_h200=tokens * HBM["H200"] / ideal,
+      flop_steps_h100=PEAK["H100"] / scale(1), flop_steps_h200=PEAK["H200"] / scale(1),
       loop_ops=res.get("loop_ops"))
 
 
@@ -598,7 +620,8 @@ def check(rows: list) -> list:
     if r["round_trips_per_token"] > MAX_ROUND_TRIPS_PER_TOKEN + 1e-9:
       missed.append(f"{tag}: {r['round_trips_per_token']:.3f} host round trips per generated token "
                     f"(target <= {MAX_ROUND_TRIPS_PER_TOKEN:.3f})")
-    if r["program"] == "diffusion" and r["batch"] == 64 and r["weight_read_ratio"] > MAX_B64_DIFFUSION_WEIGHT_RATIO:
+    if (r["program"].startswith("diffusion") and r["batch"] == 64
+        and r["weight_read_ratio"] > MAX_B64_DIFFUSION_WEIGHT_RATIO):
       missed.append(f"{tag}: weight bytes per step {r['weight_read_ratio']:.3f}x the weights "
                     f"(target <= {MAX_B64_DIFFUSION_WEIGHT_RATIO}x)")
   return missed
@@ -607,14 +630,15 @@ def check(rows: list) -> list:
 def table(rows: list) -> str:
   head = ("| shape | program | batch | weights GB | weight GB read / step | x weights | reads per leaf | "
           "f32 converts in loop | round trips / token | XLA GB / step | XLA TFLOP / step | ideal GB / step | "
-          "roofline steps/s H100 / H200 | roofline tokens/s H100 / H200 |")
+          "roofline steps/s H100 / H200 | roofline tokens/s H100 / H200 | FLOP-bound steps/s H100 / H200 |")
   out = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
     out.append(f"| {r['shape']} | {r['program']} | {r['batch']} | {r['weight_gb']:.2f} | {r['weight_read_gb']:.2f} | "
                f"{r['weight_read_ratio']:.3f} | {r['min_read']:.3f}-{r['max_read']:.3f} | {r['f32_converts']} | "
                f"{r['round_trips_per_token']:.3f} | {r['xla_bytes_gb']:.2f} | {r['xla_tflops']:.3f} | "
                f"{r['ideal_gb']:.2f} | {r['roofline_steps_h100']:.0f} / {r['roofline_steps_h200']:.0f} | "
-               f"{r['roofline_tok_h100']:.0f} / {r['roofline_tok_h200']:.0f} |")
+               f"{r['roofline_tok_h100']:.0f} / {r['roofline_tok_h200']:.0f} | "
+               f"{r['flop_steps_h100']:.0f} / {r['flop_steps_h200']:.0f} |")
   return "\n".join(out)
 
 

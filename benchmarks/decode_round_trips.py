@@ -2,15 +2,17 @@
 
   python benchmarks/decode_round_trips.py [--steps_per_sync=8] [--vocab=151936] [--before=283a3f8] [--lower_8b]
 
-For each decoder (AR, block diffusion B = 32 with either K/V write, speculative; greedy, sampled
-and top-k routes) it compiles the decoder for a tiny-width model (the loop structure does not
-depend on the width) and reads the optimised HLO (`dgr2_jax.decode.hlo_loops`): the loops whose
-trip count is data dependent (each sends its predicate to the host per iteration on a GPU), the
-conditionals executed per iteration of the decode loop, and the host predicates per decode step
-(per loop iteration / the steps an iteration runs). `--before=REV` counts the decoders as they
-were at git revision REV too (their decode/sampler.py and decode/speculative.py). `--lower_8b`
-first lowers the decoders at the Qwen3-8B shape from shapes only and counts their loops and
-conditionals (the structure at full size; compiling 36 unrolled layers on a CPU would take long).
+For each decoder (AR, block diffusion B = 32 with either K/V write, speculative with its default
+verification schedule and with `verify_every` 0; greedy, sampled and top-k routes) it compiles the
+decoder for a tiny-width model (the loop structure does not depend on the width) and reads the
+optimised HLO (`dgr2_jax.decode.hlo_loops`): the loops whose trip count is data dependent (each
+sends its predicate to the host per iteration on a GPU), the conditionals executed per iteration
+of the decode loop, and the host predicates per decode step (per loop iteration / the steps an
+iteration runs; a speculative decoder's steps are its drafter steps). `--before=REV` counts the
+decoders as they were at git revision REV too (their decode/sampler.py and decode/speculative.py).
+`--lower_8b` first lowers the decoders at the Qwen3-8B shape from shapes only and counts their
+loops and conditionals (the structure at full size; compiling 36 unrolled layers on a CPU would
+take long).
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def main():
           ("B=32 fused", 32, "fused", {}), ("B=32 separate", 32, "separate", {}),
           ("B=32 separate", 32, "separate", dict(temperature=0.7)),
           ("B=32 separate", 32, "separate", dict(temperature=0.7, top_k=20)),
-          ("speculative B=32", 32, "fused", {}), ("speculative B=32", 32, "fused", dict(temperature=0.7))]
+          ("speculative B=32", 32, "fused", {}), ("speculative B=32", 32, "fused", dict(temperature=0.7)),
+          ("speculative B=32, verify_every 0", 32, "fused", dict(verify_every=0))]
   versions = [("now", sampler, speculative, a.steps_per_sync)]
   if a.before:
     old_sampler = load_rev(a.before, "sampler", "sampler_before")

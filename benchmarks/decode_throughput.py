@@ -169,7 +169,9 @@ def main(_):
   rows = []
   print(f"# decode throughput: {kind} x{jax.device_count()}, jax {jax.__version__}, {platform.machine()}; model "
         f"{FLAGS.model_dir or FLAGS.preset} ({n_params / 1e6:.1f}M params, {cfg.dtype}, attention {cfg.attention_impl}); "
-        f"prompt {FLAGS.prompt_len}, EOS off, kv_write {sampler.resolve_kv_write(FLAGS.kv_write)}", flush=True)
+        f"prompt {FLAGS.prompt_len}, EOS off, kv_write " +
+        ", ".join(f"{sampler.resolve_kv_write(FLAGS.kv_write, int(b))} at batch {b}" for b in FLAGS.batch_sizes),
+        flush=True)
   for new in map(int, FLAGS.max_new_tokens):
     for bsz in map(int, FLAGS.batch_sizes):
       prompts = [list(rs.randint(10, cfg.vocab_size - 2, FLAGS.prompt_len)) for _ in range(bsz)]

@@ -76,13 +76,18 @@ def decode_config() -> ml_collections.ConfigDict:
   # `verifier_dir` verifies; '' = the workdir's AR teacher). Speculative output is the verifier's.
   c.mode = "threshold"
   c.verifier_dir = ""  # mode='speculative': the verifying AR model ('' = the workdir's AR teacher)
-  # How a finished block's clean K/V are written (decode/sampler.py): 'auto' = 'separate' on CPU,
-  # 'fused' on accelerators; 'fused' | 'separate' force one.
+  # How a finished block's clean K/V are written (decode/sampler.py): 'auto' = 'separate' on CPU;
+  # on accelerators 'fused' up to 2 rows per device, 'separate' beyond; 'fused' | 'separate' force one.
   c.kv_write = "auto"
   # Decode steps per host round trip (decode/sampler.py): the decode loop asks "is every row
   # finished?" once per this many steps; up to this many - 1 steps after the last row finished
   # are masked (wasted). 1 = ask after every step.
   c.steps_per_sync = 8
+  # mode='speculative' (decode/speculative.py): the verifier's pass runs after every this many
+  # drafter steps, a fixed schedule with no host round trip (must divide steps_per_sync; a draft
+  # completed earlier waits for the pass); 0 = as soon as enough drafts are ready, decided on the
+  # device: no wait, but a host round trip per drafter step on a GPU.
+  c.verify_every = 2
   # The decode mesh of eval, generate and bench (dgr2_jax/decode/mesh.py): `data` splits each
   # batch's rows, `tensor` the model (heads, MLP, vocabulary, KV cache); 0 or -1 = all remaining
   # devices. Default: every device decodes its own rows. An 8B model at batch 1: data=1, tensor=8.

@@ -117,6 +117,32 @@ def test_tau_one_commits_one_token_per_step_and_counts_nfe(tiny_lm):
     assert int(out["forward_passes"]) == expected
 
 
+def test_auto_kv_write_follows_the_rows_per_device(tiny_lm, monkeypatch):
+  """'auto': 'separate' on CPU; on an accelerator 'fused' up to FUSED_MAX_ROWS rows per device and
+  'separate' beyond, decided per compiled batch: seen as the write passes in NFE, equal to the
+  reference's, with the same tokens either way."""
+  most = sampler.FUSED_MAX_ROWS
+  assert sampler.resolve_kv_write("auto", 1, "cpu") == "separate"
+  assert sampler.resolve_kv_write("auto", most, "gpu") == "fused"
+  assert sampler.resolve_kv_write("auto", most + 1, "gpu") == "separate"
+  assert sampler.resolve_kv_write("auto", None, "tpu") == "fused"
+  assert sampler.resolve_kv_write("fused", 64, "cpu") == "fused"
+  cfg, params = tiny_lm
+  dc = _dc(4, 1.0, r=12, eos_ids=(), kv_write="auto")     # a shape no other test compiles
+  monkeypatch.setattr(sampler, "_backend", lambda: "gpu")
+  sampler.compiled_decoder.cache_clear()
+  try:
+    prompts = (PROMPTS * most)[:most + 1]
+    few = sampler.generate(cfg, params, prompts[:most], dc)
+    many = sampler.generate(cfg, params, prompts, dc)
+    _assert_same(many, reference.reference_decode(cfg, params, prompts, dc))
+  finally:
+    sampler.compiled_decoder.cache_clear()   # no trace made for a GPU stays cached
+  np.testing.assert_array_equal(many["tokens"][:most], few["tokens"])
+  np.testing.assert_array_equal(few["nfe"], 12)                          # tau 1: a step per token
+  np.testing.assert_array_equal(many["nfe"], 12 + 12 // 4 - 1)          # + a write per later block
+
+
 def test_rows_stop_at_their_own_eos(tiny_lm):
   cfg, params = tiny_lm
   free = sampler.generate(cfg, params, PROMPTS, _dc(4, 0.6, eos_ids=()))

@@ -56,6 +56,29 @@ def test_counter_on_a_known_program():
   assert res["reads"]["layers_0/w"] == 1.0 and not res["converts"] and res["round_trips_per_token"] == 0.0
 
 
+def test_counter_on_nested_decode_loops():
+  """A speculative group's shape: 3 cycles of (2 steps reading w, then one reading v) in a
+  data-dependent loop. Each loop that reads a layer itself is a step: w and v read once per their
+  own step, and 1 host round trip per 9 steps; a layer weight read twice inside one step is not
+  hidden by the nesting."""
+  def f(w, v, x):
+    def cycle(_, y):
+      y = jax.lax.fori_loop(0, 2, lambda _, z: z @ w, y)
+      return y @ v
+    return jax.lax.while_loop(lambda c: c[0] < c[1].sum(), lambda c: (c[0] + 1, jax.lax.fori_loop(0, 3, cycle, c[1])),
+                              (0, x))
+  args = (sd((16, 16), jnp.bfloat16), sd((16, 16), jnp.bfloat16), sd((2, 16), jnp.bfloat16))
+  res = _counts(f, args, ["layers_0/w", "layers_1/v"])
+  assert res["reads"] == {"layers_0/w": 1.0, "layers_1/v": 1.0}
+  assert res["round_trips_per_token"] == pytest.approx(1 / 9)
+
+  def twice(w, v, x):   # v read in the cycle and again by a second matmul: 2 per step
+    cycle = lambda _, y: jax.lax.fori_loop(0, 2, lambda _, z: z @ w, y) @ v @ v
+    return jax.lax.while_loop(lambda c: c[0] < c[1].sum(), lambda c: (c[0] + 1, jax.lax.fori_loop(0, 3, cycle, c[1])),
+                              (0, x))
+  assert _counts(twice, args, ["layers_0/w", "layers_1/v"])["reads"]["layers_1/v"] == 2.0
+
+
 def _qwen_vocab_config(**kw):
   """Qwen3's vocabulary at a tiny width (shapes only: nothing is allocated)."""
   return Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -63,7 +86,7 @@ def _qwen_vocab_config(**kw):
                      mask_token_id=151935, eos_token_id=0, pad_token_id=0, **kw)
 
 
-@pytest.mark.parametrize("program,batch", [("ar", 8), ("diffusion", 64), ("speculative", 8)])
+@pytest.mark.parametrize("program,batch", [("ar", 8), ("diffusion", 64), ("diffusion_fused", 8), ("speculative", 8)])
 def test_bf16_decoder_reads_each_weight_once_and_converts_none(program, batch):
   """The lowered decode loop at Qwen3's vocabulary: every weight (LM head included; the untied
   input embedding is only gathered) read once per step, no weight converted to f32; computing in

@@ -77,6 +77,8 @@ def test_paper_hyper_parameters():
     ({"decode.top_p": 0.0}, "config.decode.top_p", ValueError),
     ({"decode.steps_per_block": -1}, "config.decode.steps_per_block", ValueError),
     ({"decode.steps_per_sync": 0}, "config.decode.steps_per_sync", ValueError),
+    ({"decode.verify_every": -1}, "config.decode.verify_every", ValueError),
+    ({"decode.verify_every": 3}, "config.decode.verify_every", ValueError),
     ({"data.source": "movielens"}, "config.data.source", ValueError),
     ({"sids.encoder": "bert"}, "config.sids.encoder", ValueError),
     ({"sids.encoder": "npy"}, "config.sids.embeddings_npy", ValueError),

@@ -45,7 +45,7 @@ def reference_decode(model_config, params, prompts, dc: DecodeConfig, rng=None, 
              logprob=np.zeros((b, r), np.float64), nfe=np.zeros(b, np.int64), eos_pos=np.full(b, r, np.int64),
              steps=np.zeros(b, np.int64))
   # A separate K/V write (DecodeConfig.kv_write) is one more forward per block a row moves to.
-  write_pass = bs > 1 and resolve_kv_write(dc.kv_write) == "separate"
+  write_pass = bs > 1 and resolve_kv_write(dc.kv_write, b) == "separate"   # as the batch's decoder
   length = p + r
   for row in range(b):
     canvas, eos_pos, step = out["tokens"][row], r, 0
@@ -118,7 +118,7 @@ def reference_speculative(drafter_config, drafter_params, verifier_config, verif
   draw = jax.jit(sampling.categorical)
   k_draft, k_verify = jax.random.split(rng)
   draft_keys, verify_keys = jax.random.split(k_draft, b), jax.random.split(k_verify, b)
-  write_pass = resolve_kv_write(dc.kv_write) == "separate"
+  write_pass = resolve_kv_write(dc.kv_write, b) == "separate"   # as the batch's decoder
   eos_ids = set(dc.eos_ids)
   keys_out = ("tokens", "logprob", "commit_round", "eos_pos", "rounds", "drafter_passes", "accepted", "round_accepts")
   out = {k: [] for k in keys_out}

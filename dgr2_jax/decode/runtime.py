@@ -91,6 +91,12 @@ def validate(config, runs: set, name: str = "decode") -> None:
     checks.fail(f"{name}.steps_per_sync", f"must be an int >= 1, got {d.steps_per_sync!r}")
   if d.get("kv_write", "auto") not in sampler.KV_WRITES:
     checks.fail(f"{name}.kv_write", f"must be one of {list(sampler.KV_WRITES)}, got {d.kv_write!r}")
+  if not checks.is_int(d.get("verify_every", 2), 0):
+    checks.fail(f"{name}.verify_every", f"must be an int >= 0, got {d.verify_every!r}")
+  # Checked in every mode: the bench and the pipeline run speculative rows beside threshold ones.
+  if d.get("verify_every", 2) and d.get("steps_per_sync", 8) % d.get("verify_every", 2):
+    checks.fail(f"{name}.verify_every", f"({d.verify_every}) must be 0 or divide {name}.steps_per_sync "
+                f"({d.get('steps_per_sync', 8)}): speculative decoding verifies after every that many drafter steps")
   if d.get("mode", "threshold") == "speculative":
     if d.block_size < 2:
       checks.fail(f"{name}.block_size", f"must be >= 2 with {name}.mode='speculative' (the drafter's "

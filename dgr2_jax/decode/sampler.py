@@ -76,11 +76,27 @@ from dgr2_jax.model.config import Qwen3Config
 KV_WRITES = ("auto", "fused", "separate")
 
 
-def resolve_kv_write(kv_write: str) -> str:
-  """'auto' -> 'separate' on CPU, 'fused' elsewhere (DecodeConfig.kv_write)."""
+# 'auto' on an accelerator: 'fused' up to this many rows per device, 'separate' beyond. A fused
+# step's 64-slot window doubles its FLOPs; while the step stays bound by reading the weights that is
+# free and saves each row the step 'separate' spends on a block's K/V write, but from a few rows on
+# the FLOPs bound the step (benchmarks/decode_bytes.py's FLOP-bound against roofline columns,
+# docs/decoding_accelerator.md).
+FUSED_MAX_ROWS = 2
+
+
+def _backend() -> str:
+  return jax.default_backend()
+
+
+def resolve_kv_write(kv_write: str, rows: int | None = None, backend: str | None = None) -> str:
+  """DecodeConfig.kv_write for a decoder of `rows` rows per device (None: unknown, taken as few):
+  'auto' -> 'separate' on CPU, where a 2B window costs over twice a B window; elsewhere 'fused' up
+  to FUSED_MAX_ROWS rows, 'separate' beyond."""
   if kv_write != "auto":
     return kv_write
-  return "separate" if jax.default_backend() == "cpu" else "fused"
+  if (backend or _backend()) == "cpu":
+    return "separate"
+  return "fused" if rows is None or rows <= FUSED_MAX_ROWS else "separate"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,13 +114,19 @@ class DecodeConfig:
   # How block j-1's clean K/V are written when a row moves to block j (static): 'fused' into the
   # row's first step of block j (a [previous block | canvas] window of 2B slots for the batch
   # that iteration), 'separate' (a B-slot window that only writes, one more forward for that row,
-  # counted in its NFE), or 'auto': 'separate' on CPU, where a 2B window costs over twice a B
-  # window, else 'fused' (on accelerators a decode window's cost barely depends on its width).
+  # counted in its NFE), or 'auto' (`resolve_kv_write`): 'separate' on CPU, where a 2B window
+  # costs over twice a B window; on accelerators 'fused' at a few rows per device, where a window's
+  # cost barely depends on its width, and 'separate' beyond, where the 2B window's FLOPs bound it.
   kv_write: str = "auto"
   # Decode steps per host round trip (static): the loop checks "every row finished?" on the host
   # once per `steps_per_sync` steps and runs that many steps on the device in between, a finished
   # row's steps masked (module docstring, "Host round trips").
   steps_per_sync: int = 8
+  # Speculative decoding (decode/speculative.py; static): the verifier runs after every
+  # `verify_every` drafter steps, on every row whose draft is ready, a fixed schedule with no host
+  # round trip (a divisor of `steps_per_sync`); 0 = whenever enough rows are ready, decided on the
+  # device (a `lax.cond` per drafter step: a host round trip each on a GPU, but no row waits).
+  verify_every: int = 2
 
   def __post_init__(self):
     if self.kv_write not in KV_WRITES:
@@ -122,6 +144,8 @@ class DecodeConfig:
       raise ValueError(f"decode.top_p must be in (0, 1], got {self.top_p}")
     if self.steps_per_sync < 1:
       raise ValueError(f"decode.steps_per_sync must be >= 1, got {self.steps_per_sync}")
+    if self.verify_every < 0:
+      raise ValueError(f"decode.verify_every must be >= 0, got {self.verify_every}")
     if self.steps_per_block < 0:
       raise ValueError(f"decode.steps_per_block must be >= 0, got {self.steps_per_block}")
     if self.block_size > 1 and self.mask_token_id is None:
@@ -320,10 +344,10 @@ class BlockWindows:
     if self.kv_write == "separate":
       return separate((carry, cache)) + (due,)
     # 'fused' runs the 2B window on every step, not `lax.cond(due.any(), fused, canvas_only)`: a
-    # GPU copies a cond's predicate to the host (a round trip per step), while 'fused' is chosen
-    # where a 2B window costs about what a B window does (small batch on an accelerator), and at
-    # large batch some row starts a block on most steps anyway. A mid-block row rewrites its
-    # previous block's clean K/V with the same values and keeps its carried distribution.
+    # GPU copies a cond's predicate to the host (a round trip per step), while 'auto' picks 'fused'
+    # only where a 2B window costs about what a B window does (a few rows on an accelerator,
+    # `resolve_kv_write`). A mid-block row rewrites its previous block's clean K/V with the same
+    # values and keeps its carried distribution.
     return fused((carry, cache)) + (no_write,)
 
 
@@ -335,6 +359,7 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
   if prompt_tokens.shape[1] < bsz:  # block 0 needs a previous block of prompt slots (pad slots)
     prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (bsz - prompt_tokens.shape[1], 0)))
   b, p = prompt_tokens.shape
+  kv_write = resolve_kv_write(kv_write, -(-b // dmesh.data_size(mesh)))   # by rows per device
   r = num_blocks * bsz
   s = p + r
   positions = masks.left_pad_positions(prompt_len, p, s)              # [B,S]
@@ -442,7 +467,7 @@ def compiled_decoder(model_config: Qwen3Config, block_size: int, max_new_tokens:
   if route is not None and route not in ROUTES:
     raise ValueError(f"sampling route must be one of {ROUTES}, got {route!r}")
   fn = functools.partial(_decode, model_config, block_size, max_new_tokens // block_size,
-                         tuple(eos_ids), mask_id, resolve_kv_write(kv_write), route, int(steps_per_sync),
+                         tuple(eos_ids), mask_id, kv_write, route, int(steps_per_sync),
                          mesh=mesh)
   return jax.jit(fn)
 

@@ -9,11 +9,12 @@ gives; sampled, a draw from the verifier's decoding distribution (speculative sa
 A round of one row, at the drafter's active block j whose positions [jB, n) are accepted:
   1. draft: the drafter denoises the block's masked positions until none is left (before a drafted
      EOS), one drafter forward per loop iteration, its step budget restarting each round;
-  2. verify (in the iteration the draft completes): the verifier runs one causal forward over
-     [pending token | the block's drafts] (the pending token is the last accepted one, or the
-     last prompt token, whose K/V the verifier has not written yet) against its own KV cache, so
-     its logits at window slot k are its distribution for position n + k given everything
-     accepted and the drafts before it;
+  2. verify (at the batch's next verifier pass, `decode.verify_every` below): the verifier runs
+     one causal forward over [pending token | the block's drafts] (the pending token is the last
+     accepted one, or the last prompt token, whose K/V the verifier has not written yet) against
+     its own KV cache, so its logits at window slot k are its distribution for position n + k
+     given everything accepted and the drafts before it. A complete draft waits for that pass
+     unchanged (its drafts and its round's key are fixed): when it is verified changes no output;
   3. accept: greedy keeps the longest prefix of drafts equal to the verifier's argmax and appends
      the verifier's argmax at the first mismatch. Sampled keeps draft k with probability
      min(1, p_k(d_k) / q_k(d_k)) (p the verifier's, q the drafter's decoding distribution at the
@@ -40,11 +41,23 @@ emitted each position, -1 never), eos_pos, rounds (= verifier passes), drafter_p
 forwards, K/V writes included), accepted (drafts accepted), round_accepts [B,R] (drafts accepted in
 round i, -1 past the last round), nfe (drafter + verifier forwards), and for the batch:
 forward_passes (loop steps that ran with at least one unfinished row: each runs a drafter forward),
-masked_steps (steps run after every row finished, the tail of the last `steps_per_sync` group:
-wasted work) and verifier_calls (verifier forwards).
-Host round trips (decode/sampler.py): the loop is a `while_loop` over `decode.steps_per_sync` steps
-of fixed count, so its predicate reaches the host once per that many steps; one `lax.cond` per step
-remains, the verification's (it skips a verifier forward whenever no row is ready).
+masked_steps (drafter steps run after every row finished, the tail of the last `steps_per_sync`
+group: wasted work), verifier_calls (verifier forwards that verified at least one row) and
+verifier_forwards (every verifier forward run: the batch's wall-clock cost is forward_passes +
+masked_steps drafter forwards and verifier_forwards verifier forwards). NFE counts a row's useful
+forwards only: a step it spent waiting for its verification is in neither of its counts.
+
+Host round trips (decode/sampler.py "Host round trips"): the loop is a `while_loop` ("is every row
+finished?") over `decode.steps_per_sync` (k) drafter steps in loops of static trip count, so its
+predicate is the only one that reaches the host: once per k drafter steps. The verifier's pass runs
+on a static schedule, `decode.verify_every` (m, a divisor of k): k / m cycles of m drafter steps
+followed by one verifier forward over every ready row (a row not ready changes nothing). A
+draft completed before the cycle's end waits for it: up to m - 1 drafter steps, which at batch 1
+are forwards of nothing. m = 0 restores the verification on the device's decision (a `lax.cond`
+per drafter step, run when at least half of the live rows are ready): no wait, but a host round
+trip per drafter step on a GPU. Which costs less depends on the round trip's share of a step
+(docs/decoding_rounds.md).
+
 decode/reference.py `reference_speculative` is the plain-Python judge of this loop.
 """
 
@@ -72,10 +85,17 @@ def check_pair(drafter: Qwen3Config, verifier: Qwen3Config, mask_id: int) -> Non
                      f"drafter's ({drafter.vocab_size}) nor the drafter's without its mask token")
 
 
+def check_schedule(steps_per_sync: int, verify_every: int) -> None:
+  """A group of `steps_per_sync` drafter steps holds whole verification cycles."""
+  if verify_every < 0 or (verify_every and steps_per_sync % verify_every):
+    raise ValueError(f"decode.verify_every ({verify_every}) must be 0 or divide decode.steps_per_sync "
+                     f"({steps_per_sync})")
+
+
 def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: int, eos_ids: tuple,
             mask_id: int, kv_write: str, sampled: bool, accept_all: bool, route: str | None, steps_per_sync: int,
-            dparams, vparams, prompt_tokens, prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block,
-            *, mesh=None):
+            verify_every: int, dparams, vparams, prompt_tokens, prompt_len, threshold, temperature, top_k, top_p,
+            rng, steps_per_block, *, mesh=None):
   bsz = block_size
   if route in ("greedy", "sampled"):
     # The filters are off (top_k 0, top_p 1 at run time too): as constants they let XLA drop the
@@ -88,6 +108,7 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
   if prompt_tokens.shape[1] < bsz + 1:
     prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (bsz + 1 - prompt_tokens.shape[1], 0)))
   b, p = prompt_tokens.shape
+  kv_write = sampler.resolve_kv_write(kv_write, -(-b // dmesh.data_size(mesh)))   # by rows per device
   r = num_blocks * bsz
   s_d, s_v = p + r, p + r + bsz                                       # the verifier's windows overhang
   vv = vcfg.vocab_size
@@ -233,35 +254,58 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
                 round_start=jnp.where(ready, st["dstep"], st["round_start"]),
                 cstep=jnp.where(ready[:, None], -1, st["cstep"]),
                 rounds=st["rounds"] + ready.astype(jnp.int32), accepted=st["accepted"] + n_acc_drafts,
-                round_accepts=ra, verifier_calls=st["verifier_calls"] + 1)
+                round_accepts=ra)
 
-  def body(st):
+  def draft_step(st):
     # The drafter runs on every step, not under `lax.cond(some row drafting)`: a GPU copies a
     # cond's predicate to the host, and a verified row drafts again at the next step, so that cond
     # skipped a forward almost never. A row not drafting (ready, or finished) commits nothing.
     live = ~st["done"].all()
     st = draft(st)
-    # A complete draft can wait for its verification without changing any output (the draft and
-    # its round's key are fixed), so a batch verifies when at least half of its live rows are
-    # ready or none is still drafting: fewer verifier passes at batch > 1, the same rounds. This
-    # cond stays: its predicate's round trip costs far less than the verifier forward it skips on
-    # the steps where no row is ready (every drafter step but the last of a round).
-    ready, live_rows = ready_rows(st), ~st["done"]
-    go = ready.any() & ((2 * ready.sum() >= live_rows.sum()) | ~(live_rows & ~ready).any())
-    st = jax.lax.cond(go, verify, lambda x: x, st)
     return dict(st, iteration=st["iteration"] + 1, forward_passes=st["forward_passes"] + live.astype(jnp.int32),
                 masked_steps=st["masked_steps"] + (~live).astype(jnp.int32))
 
+  def verify_ready(st):
+    # Rows not ready change nothing but verifier K/V at and after their pending slot, which their
+    # next verification rewrites before any read.
+    useful = ready_rows(st).any()
+    st = verify(st)
+    return dict(st, verifier_calls=st["verifier_calls"] + useful.astype(jnp.int32),
+                verifier_forwards=st["verifier_forwards"] + 1)
+
+  def step_with_cond(st):
+    # verify_every = 0. A complete draft can wait for its verification without changing any
+    # output (the draft and its round's key are fixed), so a batch verifies when at least half of
+    # its live rows are ready or none is still drafting: fewer verifier passes at batch > 1, the
+    # same rounds. This cond's predicate goes to the host on every step.
+    st = draft_step(st)
+    ready, live_rows = ready_rows(st), ~st["done"]
+    go = ready.any() & ((2 * ready.sum() >= live_rows.sum()) | ~(live_rows & ~ready).any())
+    return jax.lax.cond(go, verify_ready, lambda x: x, st)
+
+  def cycle(st):
+    # verify_every = m > 0: m drafter steps (a loop of static trip count), then the verifier's
+    # pass over every ready row. No predicate leaves the device; a row whose draft completes
+    # before the m-th step waits for the pass (its outputs do not depend on when it is verified).
+    st = jax.lax.fori_loop(0, verify_every, lambda _, x: draft_step(x), st)
+    return verify_ready(st)
+
   def cond(st):
-    # The loop's host-visible predicate, read once per `steps_per_sync` steps (decode/sampler.py).
-    return ~st["done"].all() & (st["iteration"] < r * (bsz + 2) + num_blocks)
+    # The loop's host-visible predicate, read once per `steps_per_sync` drafter steps. The bound
+    # only guards a broken invariant: a round commits >= 1 draft per drafting step, waits < m
+    # steps for its pass and emits >= 1 token; each block adds one K/V write.
+    return ~st["done"].all() & (st["iteration"] < r * (bsz + verify_every + 2) + num_blocks)
 
   def steps(st):
-    # A fixed trip count; once every row is finished the rest are masked (no output changes).
-    return jax.lax.fori_loop(0, steps_per_sync, lambda _, x: body(x), st)
+    # A fixed trip count of `steps_per_sync` drafter steps; once every row is finished the rest
+    # are masked (no output changes).
+    if verify_every == 0:
+      return jax.lax.fori_loop(0, steps_per_sync, lambda _, x: step_with_cond(x), st)
+    return jax.lax.fori_loop(0, steps_per_sync // verify_every, lambda _, x: cycle(x), st)
 
   st = dict(
-      iteration=jnp.int32(0), verifier_calls=jnp.int32(0), forward_passes=jnp.int32(0), masked_steps=jnp.int32(0),
+      iteration=jnp.int32(0), verifier_calls=jnp.int32(0), verifier_forwards=jnp.int32(0),
+      forward_passes=jnp.int32(0), masked_steps=jnp.int32(0),
       block=jnp.zeros((b,), jnp.int32), first=jnp.ones((b,), bool), dstep=jnp.zeros((b,), jnp.int32),
       round_start=jnp.zeros((b,), jnp.int32), canvas=jnp.full((b, r + bsz), mask_id, jnp.int32),
       cstep=jnp.full((b, r + bsz), -1, jnp.int32), eos_draft=jnp.full((b,), r, jnp.int32),
@@ -280,7 +324,8 @@ def _decode(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, num_blocks: i
               eos_pos=st["eos_pos"], rounds=st["rounds"], drafter_passes=st["drafter_passes"],
               accepted=st["accepted"], round_accepts=st["round_accepts"], forward_passes=st["forward_passes"],
               masked_steps=st["masked_steps"],
-              verifier_calls=st["verifier_calls"], nfe=st["drafter_passes"] + st["rounds"],
+              verifier_calls=st["verifier_calls"], verifier_forwards=st["verifier_forwards"],
+              nfe=st["drafter_passes"] + st["rounds"],
               commit_step=st["commit_round"], steps=st["rounds"])
 
 
@@ -295,14 +340,15 @@ def _to_vocab(lp, v):
 @functools.lru_cache(maxsize=16)
 def compiled_speculative(dcfg: Qwen3Config, vcfg: Qwen3Config, block_size: int, max_new_tokens: int,
                          eos_ids: tuple, mask_id: int, kv_write: str, sampled: bool, accept_all: bool = False,
-                         route: str | None = None, steps_per_sync: int = 8, mesh=None):
+                         route: str | None = None, steps_per_sync: int = 8, mesh=None, verify_every: int = 2):
   """One jit per static shape/config (threshold, budget, temperature, top-k/p and key are traced).
   `accept_all` (tests only) keeps every draft: it samples the drafter, not the verifier. `route`:
   the greedy rounds' `sampler.choose` route (`sampler.sampling_route`; None = picked on device).
-  `mesh`: see `sampler.compiled_decoder`."""
+  `mesh`: see `sampler.compiled_decoder`. `verify_every`: DecodeConfig.verify_every."""
+  check_schedule(steps_per_sync, verify_every)
   fn = functools.partial(_decode, dcfg, vcfg, block_size, max_new_tokens // block_size, tuple(eos_ids), mask_id,
-                         sampler.resolve_kv_write(kv_write), bool(sampled), bool(accept_all), route,
-                         int(steps_per_sync), mesh=mesh)
+                         kv_write, bool(sampled), bool(accept_all), route,
+                         int(steps_per_sync), int(verify_every), mesh=mesh)
   return jax.jit(fn)
 
 
@@ -318,7 +364,7 @@ def decoder_for(drafter_config: Qwen3Config, verifier_config: Qwen3Config, dc: s
   check_pair(dcfg, vcfg, dc.mask_token_id)
   return compiled_speculative(dcfg, vcfg, dc.block_size, dc.max_new_tokens, tuple(dc.eos_ids), dc.mask_token_id,
                               dc.kv_write, dc.temperature > 0, accept_all, sampler.sampling_route(dc), dc.steps_per_sync,
-                              mesh)
+                              mesh, dc.verify_every)
 
 
 def generate(drafter_config: Qwen3Config, drafter_params, verifier_config: Qwen3Config, verifier_params,

@@ -48,7 +48,7 @@ class SlotDecoder:
     self.slots = slots
     self.mask_id = dc.mask_token_id if dc.mask_token_id is not None else dc.pad_id
     self.eos_ids = tuple(dc.eos_ids) or (-1,)
-    self.kv_write = sampler.resolve_kv_write(dc.kv_write)
+    self.kv_write = sampler.resolve_kv_write(dc.kv_write, slots)
     self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
     self._step = jax.jit(self._step_fn, donate_argnums=(1,))
     self._release = jax.jit(lambda st, slot: dict(st, done=st["done"].at[slot].set(True)), donate_argnums=(0,))
