@@ -164,8 +164,7 @@ def test_holdout_training_lists_come_from_a_model_that_never_saw_their_targets(t
   c = ml_collections.ConfigDict({"seed": 0, "data": data_config.data_config(),
                                  "retriever": data_config.retriever_config()})
   c.data.source = "synthetic"
-  c.retriever.num_epochs = 2
-  c.retriever.eval_every = 1
+  c.retriever.num_epochs = 1
   c.retriever.train_lists = "holdout"
   data_stage.run(c, wd)
   seen, ranked = [], []
