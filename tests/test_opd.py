@@ -183,13 +183,20 @@ def test_opd_updates_lower_kl_to_teacher(setup):
   assert after < 0.8 * before, (before, after)
 
 
+def _loop_config(steps: int):
+  """The on-policy loop's config: 3 prompts x G rows, constant lr, no tensorboard/async saves."""
+  config = train_config_lib.ml_collections.ConfigDict({"seed": 0, "train": train_config_lib.train_config()})
+  tc = config.train
+  tc.batch_size, tc.total_steps, tc.tensorboard, tc.async_checkpointing = 3 * G, steps, False, False
+  tc.optimizer.peak_lr, tc.optimizer.warmup_steps, tc.optimizer.schedule = 1e-2, 0, "constant"
+  return config
+
+
 def test_on_policy_loop_logs_host_metrics_and_resumes(setup, tmp_path):
   cfg, teacher, other, toks, lens = setup
   bcfg = cfg.as_block_diffusion(4, 63)
-  config = train_config_lib.ml_collections.ConfigDict({"seed": 0, "train": train_config_lib.train_config()})
+  config = _loop_config(steps=1)
   tc = config.train
-  tc.batch_size, tc.total_steps, tc.tensorboard, tc.async_checkpointing = 3 * G, 1, False, False
-  tc.optimizer.peak_lr, tc.optimizer.warmup_steps, tc.optimizer.schedule = 1e-2, 0, "constant"
   prompts = {"prompt_ids": toks, "prompt_len": lens}
 
   class Prompts:  # a checkpointable iterator (the same 3 prompts: the decoder compiled above is reused)
@@ -232,10 +239,7 @@ def test_on_policy_validation_curve_keeps_the_best_point(setup, tmp_path):
   # Fresh params: the on-policy loop donates the params it starts from (other tests' `other`).
   other = jax.tree_util.tree_map(lambda x: x * 8 if x.ndim == 2 else x, qwen3.init_params(cfg, jax.random.PRNGKey(2)))
   bcfg = cfg.as_block_diffusion(4, 63)
-  config = train_config_lib.ml_collections.ConfigDict({"seed": 0, "train": train_config_lib.train_config()})
-  tc = config.train
-  tc.batch_size, tc.total_steps, tc.tensorboard, tc.async_checkpointing = 3 * G, 3, False, False
-  tc.optimizer.peak_lr, tc.optimizer.warmup_steps, tc.optimizer.schedule = 1e-2, 0, "constant"
+  config = _loop_config(steps=3)
   prompts = {"prompt_ids": toks, "prompt_len": lens}
 
   def make_batch(p, pr, key):

@@ -216,6 +216,48 @@ def _sampled_choice(key, logits, temperature, mask_id):
   return tok, jnp.take_along_axis(x, tok[..., None], -1)[..., 0] - lse
 
 
+def denoise_commit(c, params, st: dict, preds, writing, row_keys, *, bsz: int, r: int, eos,
+                   mask_id: int, temperature, top_k, top_p, threshold, steps_per_block,
+                   num_blocks, route: str | None = None) -> tuple[dict, jax.Array]:
+  """One denoising step's choice and commits for every row, from `preds` [B,bsz,E] (the hidden
+  states predicting each index of the row's active block). Shared by the batch decoder and the
+  serving slots (serve/slots.py), so both commit exactly alike. `threshold` and `num_blocks` are
+  scalars or per-row [B,1] / [B] arrays. Returns (the updated fields of the loop state: step,
+  block, first, block_start, canvas, commit_step, logprob, eos_pos, done; has_cand [B])."""
+  j, step = st["block"], st["step"]                                   # [B], [B]
+  b = step.shape[0]
+  jc = jnp.minimum(j, num_blocks - 1)
+  idx = jnp.arange(bsz)[None, :]
+  rows = jnp.arange(b)
+  canvas = row_slice(st["canvas"], jc * bsz, bsz)                     # [B,bsz]
+  eos_in_block = st["eos_pos"] - jc * bsz                             # [B] (may be <0 or >=bsz)
+  cand = (canvas == mask_id) & (idx < eos_in_block[:, None]) & ~(st["done"] | writing)[:, None]   # [B,bsz]
+  has_cand = cand.any(axis=1)
+
+  keys = jax.vmap(jax.random.fold_in)(row_keys, step)
+  tok, tok_lp = choose(c, params, preds, keys, temperature, top_k, top_p, mask_id, route)
+  steps_left = jnp.where(steps_per_block > 0,
+                         jnp.maximum(steps_per_block - (step - st["block_start"]), 1), bsz)
+  commit = commit_mask(jnp.exp(tok_lp), cand, threshold, steps_left)
+
+  new_block = jnp.where(commit, tok, canvas)
+  at = rows[:, None], jc[:, None] * bsz + idx                         # this row's active block
+  is_eos = commit & (tok[..., None] == eos).any(-1)
+  first_eos = jnp.min(jnp.where(is_eos, jc[:, None] * bsz + idx, r), axis=1)
+  eos_pos = jnp.minimum(st["eos_pos"], first_eos)
+  remaining = (new_block == mask_id) & (idx < (eos_pos - jc * bsz)[:, None]) & ~st["done"][:, None]
+  block_done = ~remaining.any(axis=1) & ~st["done"] & ~writing
+  done = st["done"] | (block_done & ((eos_pos < (jc + 1) * bsz) | (jc + 1 >= num_blocks)))
+  return dict(
+      step=step + has_cand.astype(jnp.int32), block=jnp.where(block_done, j + 1, j),
+      first=block_done | (st["first"] & ~writing & ~has_cand),
+      block_start=jnp.where(block_done, step + 1, st["block_start"]),
+      canvas=st["canvas"].at[at].set(new_block),
+      commit_step=st["commit_step"].at[at].set(jnp.where(commit, step[:, None], st["commit_step"][at])),
+      logprob=st["logprob"].at[at].set(jnp.where(commit, tok_lp, st["logprob"][at])),
+      eos_pos=eos_pos, done=done), has_cand
+
+
 def choose(config, params, hidden, keys, temperature, top_k, top_p, mask_id, route: str | None = None):
   """Token and its log-prob under the decoding distribution, per position.
 
@@ -365,7 +407,6 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
   positions = masks.left_pad_positions(prompt_len, p, s)              # [B,S]
   eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
   row_keys = jax.random.split(rng, b)
-  rows = jnp.arange(b)
 
   def run(tokens, start, cache):
     return window_forward(c, params, tokens, start, cache, prompt_len, p, positions, return_hidden=True)
@@ -392,39 +433,15 @@ def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids
   def body(st, forward: bool = True):
     """One denoising step of every unfinished row. A finished row's outputs and counters are left
     as they are (its forward runs on a clamped block and writes only K/V no later read uses)."""
-    j, step = st["block"], st["step"]                                 # [B], [B]
-    jc = jnp.minimum(j, num_blocks - 1)
     preds, carry, cache, writing = predictions(st, forward)   # writing rows commit nothing this time
-    idx = jnp.arange(bsz)[None, :]
-    canvas = row_slice(st["canvas"], jc * bsz, bsz)                   # [B,bsz]
-    eos_in_block = st["eos_pos"] - jc * bsz                           # [B] (may be <0 or >=bsz)
-    cand = (canvas == mask_id) & (idx < eos_in_block[:, None]) & ~(st["done"] | writing)[:, None]   # [B,bsz]
-    has_cand = cand.any(axis=1)
-
-    keys = jax.vmap(jax.random.fold_in)(row_keys, step)
-    tok, tok_lp = choose(c, params, preds, keys, temperature, top_k, top_p, mask_id, route)
-    steps_left = jnp.where(steps_per_block > 0,
-                           jnp.maximum(steps_per_block - (step - st["block_start"]), 1), bsz)
-    commit = commit_mask(jnp.exp(tok_lp), cand, threshold, steps_left)
-
-    new_block = jnp.where(commit, tok, canvas)
-    at = rows[:, None], jc[:, None] * bsz + idx                       # this row's active block
-    is_eos = commit & (tok[..., None] == eos).any(-1)
-    first_eos = jnp.min(jnp.where(is_eos, jc[:, None] * bsz + idx, r), axis=1)
-    eos_pos = jnp.minimum(st["eos_pos"], first_eos)
-    remaining = (new_block == mask_id) & (idx < (eos_pos - jc * bsz)[:, None]) & ~st["done"][:, None]
-    block_done = ~remaining.any(axis=1) & ~st["done"] & ~writing
-    done = st["done"] | (block_done & ((eos_pos < (jc + 1) * bsz) | (jc + 1 >= num_blocks)))
+    new, has_cand = denoise_commit(c, params, st, preds, writing, row_keys, bsz=bsz, r=r, eos=eos,
+                                   mask_id=mask_id, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, threshold=threshold,
+                                   steps_per_block=steps_per_block, num_blocks=num_blocks,
+                                   route=route)
     live = ~st["done"].all()                                          # some row had work this step
     return dict(
-        iteration=st["iteration"] + int(forward),
-        step=step + has_cand.astype(jnp.int32), block=jnp.where(block_done, j + 1, j),
-        first=block_done | (st["first"] & ~writing & ~has_cand),
-        block_start=jnp.where(block_done, step + 1, st["block_start"]),
-        canvas=st["canvas"].at[at].set(new_block),
-        commit_step=st["commit_step"].at[at].set(jnp.where(commit, step[:, None], st["commit_step"][at])),
-        logprob=st["logprob"].at[at].set(jnp.where(commit, tok_lp, st["logprob"][at])),
-        eos_pos=eos_pos, done=done, carry=carry, cache=cache,
+        new, iteration=st["iteration"] + int(forward), carry=carry, cache=cache,
         nfe=st["nfe"] + (forward & (has_cand | writing)).astype(jnp.int32),
         forward_passes=st["forward_passes"] + (forward & live).astype(jnp.int32),
         masked_steps=st["masked_steps"] + (forward & ~live).astype(jnp.int32))

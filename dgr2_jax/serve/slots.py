@@ -125,8 +125,6 @@ class SlotDecoder:
     mask_id = self.mask_id
     eos = jnp.asarray(self.eos_ids, jnp.int32)
     b = self.slots
-    rows = jnp.arange(b)
-    idx = jnp.arange(bsz)[None, :]
 
     def predictions(st):
       """-> (hidden predicting every index of each row's active block [S,bsz,E], carry, cache,
@@ -156,36 +154,14 @@ class SlotDecoder:
 
     def body(loop):
       st, it, busy = loop
-      j, step = st["block"], st["step"]
-      jc = jnp.minimum(j, nb - 1)
       preds, carry, cache, ran, writing = predictions(st)
-      canvas = sampler.row_slice(st["canvas"], jc * bsz, bsz)                  # [S,bsz]
-      eos_in_block = st["eos_pos"] - jc * bsz
-      cand = (canvas == mask_id) & (idx < eos_in_block[:, None]) & ~(st["done"] | writing)[:, None]
-      has_cand = cand.any(axis=1)
-      keys = jax.vmap(jax.random.fold_in)(st["row_key"], step)
-      tok, tok_lp = sampler.choose(c, params, preds, keys, temperature, top_k, top_p, mask_id)
-      steps_left = jnp.where(steps_per_block > 0,
-                             jnp.maximum(steps_per_block - (step - st["block_start"]), 1), bsz)
-      commit = sampler.commit_mask(jnp.exp(tok_lp), cand, st["threshold"][:, None], steps_left)
-      new_block = jnp.where(commit, tok, canvas)
-      at = rows[:, None], jc[:, None] * bsz + idx
-      is_eos = commit & (tok[..., None] == eos).any(-1)
-      first_eos = jnp.min(jnp.where(is_eos, jc[:, None] * bsz + idx, r), axis=1)
-      eos_pos = jnp.minimum(st["eos_pos"], first_eos)
-      remaining = (new_block == mask_id) & (idx < (eos_pos - jc * bsz)[:, None]) & ~st["done"][:, None]
-      block_done = ~remaining.any(axis=1) & ~st["done"] & ~writing
-      done = st["done"] | (block_done & ((eos_pos < (jc + 1) * bsz) | (jc + 1 >= st["limit"])))
-      new = dict(st)
-      new.update(
-          step=step + has_cand.astype(jnp.int32), block=jnp.where(block_done, j + 1, j),
-          first=block_done | (st["first"] & ~writing & ~has_cand),
-          block_start=jnp.where(block_done, step + 1, st["block_start"]),
-          canvas=st["canvas"].at[at].set(new_block),
-          commit_step=st["commit_step"].at[at].set(jnp.where(commit, step[:, None], st["commit_step"][at])),
-          logprob=st["logprob"].at[at].set(jnp.where(commit, tok_lp, st["logprob"][at])),
-          eos_pos=eos_pos, done=done, carry=carry, cache=cache,
-          nfe=st["nfe"] + (ran & (has_cand | writing)).astype(jnp.int32))
+      # The batch decoder's own step (per-slot threshold and block limit): both commit alike.
+      upd, has_cand = sampler.denoise_commit(
+          c, params, st, preds, writing, st["row_key"], bsz=bsz, r=r, eos=eos, mask_id=mask_id,
+          temperature=temperature, top_k=top_k, top_p=top_p, threshold=st["threshold"][:, None],
+          steps_per_block=steps_per_block, num_blocks=st["limit"])
+      new = dict(st, **upd, carry=carry, cache=cache,
+                 nfe=st["nfe"] + (ran & (has_cand | writing)).astype(jnp.int32))
       return new, it + 1, busy + (~st["done"]).astype(jnp.int32)
 
     def cond(loop):

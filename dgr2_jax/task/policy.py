@@ -25,8 +25,8 @@ from dgr2_jax.task import rationale
 
 RULE = {"tiers": list(rationale.RELATIONS[:3]), "reach": 10}
 RETRIEVER = {"tiers": [], "reach": 10}
-_GRID_TIERS = [list(rationale.RELATIONS[:j]) for j in range(1, 4)]
-_GRID_REACH = (2, 3, 5, 10)
+GRID_TIERS = [list(rationale.RELATIONS[:j]) for j in range(1, 4)]
+GRID_REACH = (2, 3, 5, 10)
 
 
 def relations(history: Sequence[dict], candidates: Sequence[dict]) -> list[str]:
@@ -76,8 +76,8 @@ def fit(rels: Sequence[Sequence[str]], target_pos: Sequence[int]) -> tuple[dict,
   """(the policy with the best Recall@1 on these examples, every grid row). Ties go to the
   retriever's order, then to fewer overrides."""
   rows = [evaluate(rels, target_pos, RETRIEVER)]
-  for tiers in _GRID_TIERS:
-    for reach in _GRID_REACH:
+  for tiers in GRID_TIERS:
+    for reach in GRID_REACH:
       rows.append(evaluate(rels, target_pos, {"tiers": tiers, "reach": reach}))
   best = max(rows, key=lambda r: (round(r["recall@1"], 12), -r["override_rate"]))
   return {"tiers": best["tiers"], "reach": best["reach"]}, rows

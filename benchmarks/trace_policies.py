@@ -1,0 +1,135 @@
+"""Label-free first-pick policies on a workdir's candidate lists: training split beside validation.
+
+  python benchmarks/trace_policies.py --workdir=/tmp/dgr2_beauty_cpu [--max_history=20]
+
+Reads the data, SID and retriever stages of a workdir (nothing is trained) and prints, for every
+policy, its Recall@1 on the users whose target the retriever lists, on the training split (where
+`task.trace_policy='fit'` chooses) and on validation, with the override rate and the override
+precision against #1's on the same users. The rows: the retriever's order; the grid `fit` chooses
+from (task/policy.py: relations to the last purchase, strongest first, x how far down); and
+candidates outside that grid, to show what else the prompt offers: the first code or first two
+codes of the SID shared with the last purchase (semantic neighbours), the brand of either of the
+last two purchases, and a per-cell table of P(target | position, relation) estimated on the
+training lists (argmax, with a margin over #1).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+from absl import app
+from absl import flags
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from dgr2_jax.data import api  # noqa: E402
+from dgr2_jax.task import policy as policy_lib  # noqa: E402
+from dgr2_jax.task import prompts  # noqa: E402
+from dgr2_jax.task import rationale  # noqa: E402
+from dgr2_jax.task import traces  # noqa: E402
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "a workdir with data, sids and retriever built",
+                               required=True)
+_MAX_HISTORY = flags.DEFINE_integer("max_history", 20, "history items the prompt shows (task.max_history)")
+
+
+def features(ex: dict, items, sids, max_history: int) -> list[dict]:
+  """Per candidate: the relation to the last purchase and the extra evidence tried here."""
+  hist = ex["history"][-max_history:] if max_history > 0 else ex["history"]
+  codes = lambda i: re.findall(r"<[^>]+>", sids[i])
+  last = codes(hist[-1])
+  recent = {prompts.brand(items[i]) for i in hist[-2:]} - {None}
+  out = []
+  for c in ex["candidates"]:
+    cc = codes(c)
+    out.append({"rel": rationale.relation(items[c], [items[i] for i in hist]),
+                "code1": cc[0] == last[0], "code2": cc[:2] == last[:2],
+                "brand_last2": prompts.brand(items[c]) in recent})
+  return out
+
+
+def first_by(fs, tests, reach=10) -> int:
+  for test in tests:
+    ks = [k for k in range(min(reach, len(fs))) if test(fs[k])]
+    if ks:
+      return ks[0]
+  return 0
+
+
+def score(feats, tpos, pick) -> dict:
+  n = hits = over = over_hits = top1 = 0
+  for fs, t in zip(feats, tpos):
+    if t < 0:
+      continue
+    k = pick(fs)
+    n, hits = n + 1, hits + (k == t)
+    if k:
+      over, over_hits, top1 = over + 1, over_hits + (k == t), top1 + (t == 0)
+  return {"recall@1": hits / n, "override_rate": over / n,
+          "override_precision": over_hits / over if over else float("nan"),
+          "top1_on_overrides": top1 / over if over else float("nan"), "n": n}
+
+
+def table(feats, tpos) -> np.ndarray:
+  """P(target is #k | position k, relation) on the training lists, smoothed toward the mean."""
+  rels = list(rationale.RELATIONS)
+  hit, cnt = np.zeros([10, len(rels)]), np.zeros([10, len(rels)])
+  for fs, t in zip(feats, tpos):
+    for k, f in enumerate(fs):
+      j = rels.index(f["rel"])
+      cnt[k, j] += 1
+      hit[k, j] += t == k
+  return (hit + hit.sum() / cnt.sum()) / (cnt + 1.0)
+
+
+def main(argv):
+  del argv
+  wd = _WORKDIR.value
+  items, sids, seqs = api.load_items(wd), api.load_sids(wd), api.load_sequences(wd)
+  feats, tpos = {}, {}
+  for split in ("train", "valid"):
+    exs, _ = traces.build_examples(seqs, api.load_candidates(wd, split), split, require_target=False)
+    feats[split] = [features(e, items, sids, _MAX_HISTORY.value) for e in exs]
+    tpos[split] = [e["target_pos"] for e in exs]
+  rel = lambda name: (lambda f: f["rel"] == name)
+  rows = [("retriever order", lambda fs: 0)]
+  for tiers in policy_lib.GRID_TIERS:
+    for reach in policy_lib.GRID_REACH:
+      p = {"tiers": tiers, "reach": reach}
+      rows.append((policy_lib.name(p), lambda fs, p=p: policy_lib.choose_from([f["rel"] for f in fs], p)))
+  for reach in (3, 10):
+    rows += [(f"same SID first code within the top {reach}",
+              lambda fs, r=reach: first_by(fs, [lambda f: f["code1"]], r)),
+             (f"same SID first two codes within the top {reach}",
+              lambda fs, r=reach: first_by(fs, [lambda f: f["code2"]], r)),
+             (f"same brand, else same first two codes, within the top {reach}",
+              lambda fs, r=reach: first_by(fs, [rel("Same brand"), lambda f: f["code2"]], r)),
+             (f"brand of either of the last two purchases within the top {reach}",
+              lambda fs, r=reach: first_by(fs, [lambda f: f["brand_last2"]], r))]
+  tab = table(feats["train"], tpos["train"])
+  rels = list(rationale.RELATIONS)
+  for margin in (0.0, 0.01, 0.02):
+    def pick(fs, m=margin):
+      sc = [tab[k, rels.index(f["rel"])] for k, f in enumerate(fs)]
+      k = int(np.argmax(sc))
+      return k if sc[k] >= sc[0] + m else 0
+    rows.append((f"table P(target | position, relation), margin {margin}", pick))
+  print(f"| policy | train R@1 | valid R@1 | valid - floor | valid override rate | "
+        f"override precision | #1 precision there |")
+  print("|---|---|---|---|---|---|---|")
+  floor = None
+  for name, pick in rows:
+    tr, va = score(feats["train"], tpos["train"], pick), score(feats["valid"], tpos["valid"], pick)
+    floor = va["recall@1"] if floor is None else floor
+    print(f"| {name} | {tr['recall@1']:.4f} | {va['recall@1']:.4f} | {va['recall@1'] - floor:+.4f} | "
+          f"{va['override_rate']:.3f} | {va['override_precision']:.3f} | {va['top1_on_overrides']:.3f} |")
+  print(f"(train n = {score(feats['train'], tpos['train'], lambda fs: 0)['n']}, "
+        f"valid n = {score(feats['valid'], tpos['valid'], lambda fs: 0)['n']}: users whose target is listed)")
+
+
+if __name__ == "__main__":
+  app.run(main)
