@@ -13,6 +13,9 @@ candidate numbers, and training lists made the way test lists are:
   (`retriever.train_lists='holdout'`), in the retriever's order (no shuffling);
 - where it missed the target, the target is inserted where the retriever puts targets on
   validation (`task.insert_target='matched'`), so every training user is kept;
+- each candidate line names its relation to the last purchase (`task.mark_relations`:
+  `#3 <sid> Acme Brush (same brand)`): a 3-layer model trained on unmarked lists never learned
+  to match brand names across the prompt and kept the retriever's #1 for every user;
 - the brief rationale (`Recent <brand> <leaf>. Same brand #3. So #3 goes first, ...`) moves a
   candidate above the retriever's #1 only on the relations to the last purchase that pick the
   target more often than #1 does on the training lists (`task.trace_policy='fit'`,
@@ -58,7 +61,8 @@ def get_config(arg: str = ""):
   c.task.rationale_style = "brief"
   c.task.trace_policy = "fit"
   c.task.reject_demoting = True
-  c.task.prompt_len = 192        # ~162 tokens (p90 175): 2 history lines + 10 numbered candidates, 4-token SIDs
+  c.task.mark_relations = True   # '#3 <sid> Acme Brush (same brand)': the evidence, spelled out
+  c.task.prompt_len = 208        # ~170 tokens: history lines + 10 numbered, marked candidates, 4-token SIDs
   # The brief rationale is ~23 tokens (p90 26) and the response ~50 (p99 56, max 69): 2 blocks of
   # 32, the choice committed in the first (one response in ~1,500 is dropped as too long).
   c.task.response_len = 64

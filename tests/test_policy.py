@@ -83,3 +83,17 @@ def test_brief_rationale_names_the_deciding_relation_without_sids():
   assert order == [1, 0] and "<" not in text
   assert text == ("Recent Acme Mascara. Same brand #2. So #2 goes first, the others keep their "
                   "order.")
+
+
+def test_marked_candidate_lines_name_the_relation_the_policy_reads():
+  from dgr2_jax.task import prompts
+  items = [item("Acme", "Mascara"), item("Nova", "Lipstick"), item("Acme", "Brush"),
+           item("Lux", "Lipstick"), item("Zed", "Toner")]
+  sids = [f"<a_{i}>" for i in range(5)]
+  msg = prompts.build_messages([0, 1], [2, 3, 4], items, sids, "minimal", mark_relations=True)
+  lines = msg[-1]["content"].splitlines()
+  assert lines[-3:] == ["#1 <a_2> Acme Brush (brand seen)", "#2 <a_3> Lux Lipstick (same type)",
+                        "#3 <a_4> Zed Toner"]
+  plain = prompts.build_messages([0, 1], [2, 3, 4], items, sids, "minimal")
+  assert plain[-1]["content"].splitlines()[-3] == "#1 <a_2> Acme Brush"
+  assert [prompts.relation(items[i], [items[0], items[1]]) for i in (2, 3, 4)] == [BS, ST, TP]

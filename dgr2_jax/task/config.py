@@ -15,6 +15,9 @@ def task_config() -> ml_collections.ConfigDict:
   c.demo_vocab_size = 2048  # size of the demo BPE tokenizer built when task.tokenizer=''
   c.enable_thinking = True       # passed to the chat template (Qwen3: response starts <think>)
   c.prompt_variant = "compact"   # 'compact' (CPU) | 'full' (~2200 Qwen3 tokens) | 'minimal' (tiny)
+  # 'minimal' only: each candidate line ends with its relation to the last purchase, e.g.
+  # '(same brand)' (task/prompts.py relation_mark)
+  c.mark_relations = False
   c.short_title_words = 6        # compact variant title length
   c.max_history = 20             # most recent history items rendered (0 = all)
   c.num_candidates = 10  # candidates shown in the prompt
@@ -73,6 +76,8 @@ def validate(config, runs: set) -> None:
   checks.one_of(c, "task", "prompt_variant", prompts.VARIANTS)
   checks.one_of(c, "task", "rationale_style", rationale.STYLES)
   checks.one_of(c, "task", "answer_ids", answer.ANSWER_IDS)
+  if t.mark_relations and t.prompt_variant != "minimal":
+    checks.fail("task.mark_relations", f"needs task.prompt_variant='minimal' (got {t.prompt_variant!r})")
   if t.answer_ids == "number" and t.prompt_variant != "minimal":
     checks.fail("task.answer_ids", f"'number' needs task.prompt_variant='minimal' (the "
                 f"{t.prompt_variant!r} prompt's instructions ask for SIDs)")

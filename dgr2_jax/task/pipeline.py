@@ -49,7 +49,8 @@ def encode_prompt(tokenizer, ex: dict, items, sids, task_cfg) -> tuple[list[int]
   ids, dropped = prompts_lib.render_prompt_ids(
       tokenizer, ex["history"], ex["candidates"], items, sids, variant=task_cfg.prompt_variant,
       max_history=cap, max_len=task_cfg.prompt_len, short_words=task_cfg.short_title_words,
-      enable_thinking=task_cfg.enable_thinking)
+      enable_thinking=task_cfg.enable_thinking,
+      mark_relations=bool(task_cfg.get("mark_relations", False)))
   return ids, dropped - (n_hist - cap)
 
 

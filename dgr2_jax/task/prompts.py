@@ -71,6 +71,24 @@ def brand_leaf(item: dict) -> str:
   return f"{brand(item) or 'unknown'} {_category(item, False)}"
 
 
+# Relation of a candidate to the most recent purchase, strongest first; each is visible in every
+# prompt variant (brand and leaf category of the candidate, the last purchase and the history).
+RELATIONS = ("Same brand", "Same type", "Brand seen", "Top pick")
+
+
+def relation(cand: dict, history: Sequence[dict]) -> str:
+  """The first of RELATIONS that holds between `cand` and the history (its last item)."""
+  if history:
+    last, cb = history[-1], brand(cand)
+    if cb is not None and cb == brand(last):
+      return RELATIONS[0]
+    if _category(cand, False) == _category(last, False):
+      return RELATIONS[1]
+    if cb is not None and any(brand(h) == cb for h in history):
+      return RELATIONS[2]
+  return RELATIONS[3]
+
+
 def item_line(item: dict, sid: str, variant: str, short_words: int = 6) -> str:
   if variant == "minimal":
     return f"{sid} {brand_leaf(item)}"
@@ -85,15 +103,26 @@ def item_line(item: dict, sid: str, variant: str, short_words: int = 6) -> str:
   return " | ".join(parts)
 
 
+def relation_mark(cand: dict, history: Sequence[dict]) -> str:
+  """` (same brand)` etc. after a candidate line (`task.mark_relations`); '' for "Top pick"."""
+  rel = relation(cand, history)
+  return "" if rel == RELATIONS[-1] else f" ({rel.lower()})"
+
+
 def build_messages(history: Sequence[int], candidates: Sequence[int], items: Sequence[dict],
                    sids: Sequence[str], variant: str = "compact",
-                   short_words: int = 6) -> list[dict]:
-  """Chat messages (system + user) for one example; history is oldest first."""
+                   short_words: int = 6, mark_relations: bool = False) -> list[dict]:
+  """Chat messages (system + user) for one example; history is oldest first. `mark_relations`
+  (minimal variant): each candidate line ends with its relation to the last purchase, e.g.
+  `#3 <sid> Acme Brush (same brand)`, the evidence the brief rationale acts on, spelled out: a
+  3-layer model does not learn to match multi-token brand names across the prompt on its own."""
   if variant not in VARIANTS:
     raise ValueError(f"task.prompt_variant must be one of {VARIANTS}, got {variant!r}")
   if variant == "minimal":
     hist = "\n".join(item_line(items[i], sids[i], variant) for i in history)
-    cand = "\n".join(f"#{k + 1} {item_line(items[i], sids[i], variant)}"
+    hist_items = [items[i] for i in history]
+    mark = (lambda i: relation_mark(items[i], hist_items)) if mark_relations else (lambda i: "")
+    cand = "\n".join(f"#{k + 1} {item_line(items[i], sids[i], variant)}{mark(i)}"
                      for k, i in enumerate(candidates))
     return [{"role": "user", "content": f"History:\n{hist or '(none)'}\nCandidates:\n{cand}"}]
   hist = "\n".join(f"{k + 1}. {item_line(items[i], sids[i], variant, short_words)}"
@@ -129,7 +158,8 @@ def encode(tokenizer, text: str) -> list[int]:
 def render_prompt_ids(tokenizer, history: Sequence[int], candidates: Sequence[int],
                       items: Sequence[dict], sids: Sequence[str], *, variant: str = "compact",
                       max_history: int = 20, max_len: int | None = None, short_words: int = 6,
-                      enable_thinking: bool = True) -> tuple[list[int], int]:
+                      enable_thinking: bool = True, mark_relations: bool = False
+                      ) -> tuple[list[int], int]:
   """Prompt token ids, dropping the oldest history items until it fits `max_len`.
 
   Returns (ids, n_history_dropped) where the count includes the `max_history` cap. Raises
@@ -139,7 +169,7 @@ def render_prompt_ids(tokenizer, history: Sequence[int], candidates: Sequence[in
   dropped = max(0, len(history) - max_history) if max_history > 0 else 0
   history = history[dropped:]
   while True:
-    msgs = build_messages(history, candidates, items, sids, variant, short_words)
+    msgs = build_messages(history, candidates, items, sids, variant, short_words, mark_relations)
     ids = encode(tokenizer, render_prompt_text(tokenizer, msgs, enable_thinking))
     if max_len is None or len(ids) <= max_len:
       return ids, dropped
@@ -155,4 +185,5 @@ def template_texts() -> list[str]:
   """Fixed prompt texts (for training the demo BPE)."""
   return [SYSTEM_COMPACT, SYSTEM_FULL, "History (oldest first):", "History:", "Candidates:",
           " ".join(f"#{k}" for k in range(1, 21)),
-          "Purchase history", "Candidates from the retriever", "title: category: brand: price:"]
+          "Purchase history", "Candidates from the retriever", "title: category: brand: price:",
+          " (same brand) (same type) (brand seen)"]

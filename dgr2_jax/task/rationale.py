@@ -38,10 +38,10 @@ from typing import Callable, Sequence
 from dgr2_jax.task import prompts
 
 STYLES = ("full", "terse", "brief")
-# Relation of a candidate to the most recent purchase, strongest first.
-# Each is visible in every prompt variant (brand and leaf category of the candidate, the last
-# purchase and the history).
-RELATIONS = ("Same brand", "Same type", "Brand seen", "Top pick")
+# Relation of a candidate to the most recent purchase, strongest first (task/prompts.py, where the
+# prompt may spell it out).
+RELATIONS = prompts.RELATIONS
+relation = prompts.relation
 _BANDS = ((10.0, "under $10"), (25.0, "$10-25"), (50.0, "$25-50"), (float("inf"), "over $50"))
 
 
@@ -136,19 +136,6 @@ def _other(cand, sid, history, hist_sids) -> str:
   if depth == 1:
     return f"{sid} ({_leaf(cand)}) only shares the broad area {_cats(cand)[0]}."
   return f"{sid} ({_leaf(cand)}) has little overlap with the history."
-
-
-def relation(cand: dict, history: Sequence[dict]) -> str:
-  """The first of RELATIONS that holds between `cand` and the history (its last item)."""
-  if history:
-    last, cb = history[-1], prompts.brand(cand)
-    if cb is not None and cb == prompts.brand(last):
-      return RELATIONS[0]
-    if _leaf(cand) == _leaf(last):
-      return RELATIONS[1]
-    if cb is not None and any(prompts.brand(h) == cb for h in history):
-      return RELATIONS[2]
-  return RELATIONS[3]
 
 
 def terse(history: Sequence[dict], hist_sids: Sequence[str], cand: dict, sid: str, pos: int,

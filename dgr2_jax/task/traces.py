@@ -103,7 +103,8 @@ def build_examples(sequences: Sequence[Sequence[int]], candidates: np.ndarray, s
 def example_messages(ex: dict, items, sids, task_cfg) -> list[dict]:
   hist = ex["history"][-task_cfg.max_history:] if task_cfg.max_history > 0 else ex["history"]
   return prompts_lib.build_messages(hist, ex["candidates"], items, sids,
-                                    task_cfg.prompt_variant, task_cfg.short_title_words)
+                                    task_cfg.prompt_variant, task_cfg.short_title_words,
+                                    bool(task_cfg.get("mark_relations", False)))
 
 
 def builtin_trace(ex: dict, items, sids, task_cfg, count_fn: Callable[[str], int] | None = None,
