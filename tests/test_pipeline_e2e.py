@@ -62,7 +62,8 @@ def test_toy_pipeline_end_to_end(smoke_workdir):
                                     "opd", "rl", "eval", "bench"], times
   assert times["seconds"]["sft"] > 0 and abs(times["total"] - sum(times["seconds"].values())) < 1.0
   # Built in this run: the build times are this run's times.
-  assert list(times["built"]) == list(times["seconds"]) and times["built"] == times["seconds"], times
+  assert list(times["built"]) == list(times["seconds"]), times
+  assert all(abs(times["built"][s] - times["seconds"][s]) < 1.0 for s in times["seconds"]), times
   # Re-running finds every stage fresh and does no work; the build times stay those of the run
   # that built the stages.
   assert _main(workdir, timeout=300) < 60
