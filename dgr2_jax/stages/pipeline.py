@@ -207,17 +207,15 @@ def ladder_diagnostics(config, workdir: str, preds: dict) -> dict:
 
 
 def _read_json(path: str) -> dict:
-  import json
   with open(path) as f:
     return json.load(f)
 
 
 def _read_jsonl(path: str) -> list:
-  import json
+  from dgr2_jax.task import traces as traces_lib  # its JSONL reader names file:line on a bad line
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path} missing: the eval stage's predictions (rerun the eval stage)")
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return traces_lib.read_jsonl(path)
 
 
 def check_batch_sizes(config) -> None:
