@@ -6,7 +6,8 @@ Reads the data, SID and retriever stages of a workdir (nothing is trained) and p
 policy, its Recall@1 on the users whose target the retriever lists, on the training split (where
 `task.trace_policy='fit'` chooses) and on validation, with the override rate and the override
 precision against #1's on the same users. The rows: the retriever's order; the grid `fit` chooses
-from (task/policy.py: relations to the last purchase, strongest first, x how far down); and
+from (task/policy.py: relations to the last purchase, strongest first, x how far down, and with
+the next-purchase tiers of `task.mark_copurchase`, task/copurchase.py, ahead of them); and
 candidates outside that grid, to show what else the prompt offers: the first code or first two
 codes of the SID shared with the last purchase (semantic neighbours), the brand of either of the
 last two purchases, and a per-cell table of P(target | position, relation) estimated on the
@@ -27,6 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from dgr2_jax.data import api  # noqa: E402
+from dgr2_jax.task import copurchase  # noqa: E402
 from dgr2_jax.task import policy as policy_lib  # noqa: E402
 from dgr2_jax.task import prompts  # noqa: E402
 from dgr2_jax.task import rationale  # noqa: E402
@@ -47,6 +49,7 @@ def features(ex: dict, items, sids, max_history: int) -> list[dict]:
   for c in ex["candidates"]:
     cc = codes(c)
     out.append({"rel": rationale.relation(items[c], [items[i] for i in hist]),
+                "next": copurchase.tier(ex["bought_next"][len(out)]),
                 "code1": cc[0] == last[0], "code2": cc[:2] == last[:2],
                 "brand_last2": prompts.brand(items[c]) in recent})
   return out
@@ -92,15 +95,17 @@ def main(argv):
   items, sids, seqs = api.load_items(wd), api.load_sids(wd), api.load_sequences(wd)
   feats, tpos = {}, {}
   for split in ("train", "valid"):
-    exs, _ = traces.build_examples(seqs, api.load_candidates(wd, split), split, require_target=False)
+    exs, _ = traces.build_examples(seqs, api.load_candidates(wd, split), split, require_target=False,
+                                   bought_next=True)
     feats[split] = [features(e, items, sids, _MAX_HISTORY.value) for e in exs]
     tpos[split] = [e["target_pos"] for e in exs]
   rel = lambda name: (lambda f: f["rel"] == name)
   rows = [("retriever order", lambda fs: 0)]
-  for tiers in policy_lib.GRID_TIERS:
+  for tiers in policy_lib.GRID_TIERS_NEXT:
     for reach in policy_lib.GRID_REACH:
       p = {"tiers": tiers, "reach": reach}
-      rows.append((policy_lib.name(p), lambda fs, p=p: policy_lib.choose_from([f["rel"] for f in fs], p)))
+      rows.append((policy_lib.name(p),
+                   lambda fs, p=p: policy_lib.choose_from([(f["next"], f["rel"]) for f in fs], p)))
   for reach in (3, 10):
     rows += [(f"same SID first code within the top {reach}",
               lambda fs, r=reach: first_by(fs, [lambda f: f["code1"]], r)),

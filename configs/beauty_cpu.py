@@ -62,9 +62,13 @@ def get_config(arg: str = ""):
   c.task.trace_policy = "fit"
   c.task.reject_demoting = True
   c.task.mark_relations = True   # '#3 <sid> Acme Brush (same brand)': the evidence, spelled out
-  c.task.prompt_len = 208        # ~170 tokens: history lines + 10 numbered, marked candidates, 4-token SIDs
-  # The brief rationale is ~23 tokens (p90 26) and the response ~50 (p99 56, max 69): 2 blocks of
-  # 32, the choice committed in the first (one response in ~1,500 is dropped as too long).
+  c.task.mark_copurchase = True  # '(often bought next, same brand)': next-purchase counts, pre-target
+  c.task.prompt_len = 240        # ~180 tokens (p90 ~210): history lines + 10 numbered, marked candidates
+  # The brief rationale is ~24 tokens (p90 26), cut to <= 30 (a long recent item's name loses its
+  # last words), so with <think></think> it fits the first block of 32; the answer (~26 tokens +
+  # EOS) starts the second block (`task.answer_block`): 2 blocks of 32.
+  c.task.rationale_tokens = 30
+  c.task.answer_block = 32
   c.task.response_len = 64
   c.decode.max_new_tokens = 64
   c.train.total_steps = 3000     # ~2 epochs of the 22k training users at batch 16

@@ -27,6 +27,7 @@ from dgr2_jax.decode import runtime
 from dgr2_jax.serve import engine as engine_lib
 from dgr2_jax.serve import slots as slots_lib
 from dgr2_jax.task import answer as answer_lib
+from dgr2_jax.task import copurchase
 from dgr2_jax.task import metrics as metrics_lib
 from dgr2_jax.task import pipeline as pipeline_lib
 from dgr2_jax.task import tokenizer as tok_lib
@@ -93,6 +94,10 @@ class Service:
     self.tids = tok_lib.token_ids(self.tokenizer)
     self.items, self.sids = api.load_items(workdir), api.load_sids(workdir)
     self.num_candidates = int(api.load_candidates(workdir, "test").shape[1])
+    # task.mark_copurchase: next-purchase counts over the interactions the test protocol knows
+    # (every user's sequence but its last item), so a served impression reads as in eval.
+    self.next_table = (copurchase.table(api.load_sequences(workdir), 1)
+                       if self.task.get("mark_copurchase", False) else None)
     self.prompt_slots = int(self.task.prompt_len)
     mc, params = runtime.load_on_device(self.model_dir, config.get("model"))
     self.model_config = mc
@@ -180,6 +185,8 @@ class Service:
       raise BadRequest("candidates", "item ids must be distinct")
     opts = self.decode_options(body)
     ex = dict(history=history, candidates=cands, example_id=None, user=None, target=-1, target_pos=-1)
+    if self.next_table is not None:
+      ex["bought_next"] = copurchase.counts(self.next_table, history, cands)
     try:
       prompt, _ = pipeline_lib.encode_prompt(self.tokenizer, ex, self.items, self.sids, self.task)
     except ValueError as e:

@@ -86,7 +86,8 @@ def run(config, workdir: str, generate_fn=None, models: dict | None = None) -> s
   d = traces_stage.load_task_data(workdir)
   sids = d["sids"]
   examples, counts = traces_lib.build_examples(d["sequences"], d["candidates"][ec.split],
-                                               ec.split, insert_target="none")
+                                               ec.split, insert_target="none",
+                                               bought_next=bool(tc.get("mark_copurchase", False)))
   if ec.max_examples:
     examples = examples[:ec.max_examples]
   if not examples:

@@ -103,20 +103,24 @@ def position_histogram(examples, k: int) -> list[int]:
                      minlength=k)[:k].tolist()
 
 
-def _relations(examples, items, tc) -> list[list[str]]:
+def _relations(examples, items, tc) -> list[list]:
   cut = lambda h: h[-tc.max_history:] if tc.max_history > 0 else h
   return [policy_lib.relations([items[i] for i in cut(e["history"])],
-                               [items[i] for i in e["candidates"]]) for e in examples]
+                               [items[i] for i in e["candidates"]],
+                               traces_lib.bought_next(e, tc)) for e in examples]
 
 
 def fit_policy(d: dict, tc) -> dict:
   """The trace policy chosen on the training split's listed targets, and the policy alone on
   validation beside the floor and the rationale's rule (nothing trained yet)."""
-  split_exs = {s: traces_lib.build_examples(d["sequences"], d["candidates"][s], s)[0]
+  nxt = bool(tc.get("mark_copurchase", False))
+  split_exs = {s: traces_lib.build_examples(d["sequences"], d["candidates"][s], s,
+                                            bought_next=nxt)[0]
                for s in ("train", "valid")}
   rels = {s: _relations(e, d["items"], tc) for s, e in split_exs.items()}
   tpos = {s: [x["target_pos"] for x in e] for s, e in split_exs.items()}
-  policy, grid = policy_lib.fit(rels["train"], tpos["train"])
+  policy, grid = policy_lib.fit(rels["train"], tpos["train"],
+                                policy_lib.GRID_TIERS_NEXT if nxt else None)
   valid = {n: policy_lib.evaluate(rels["valid"], tpos["valid"], p) for n, p in
            (("chosen", policy), ("rule", policy_lib.RULE), ("retriever", policy_lib.RETRIEVER))}
   return {"policy": policy, "name": policy_lib.name(policy), "chosen_on": "train",
@@ -162,7 +166,8 @@ def run(config, workdir: str) -> str:
       exs, counts = traces_lib.build_examples(
           d["sequences"], d["candidates"][split], split, insert_target=insert, seed=tc.seed,
           shuffle=split == "train" and bool(tc.get("shuffle_train", False)),
-          position_probs=probs if insert == "matched" else None)
+          position_probs=probs if insert == "matched" else None,
+          bought_next=bool(tc.get("mark_copurchase", False)))
       if split == "train":
         stats["target_positions"]["train_as_built"] = position_histogram(exs, k)
       if tc.max_examples:

@@ -18,6 +18,9 @@ def task_config() -> ml_collections.ConfigDict:
   # 'minimal' only: each candidate line ends with its relation to the last purchase, e.g.
   # '(same brand)' (task/prompts.py relation_mark)
   c.mark_relations = False
+  # 'minimal' only: each candidate's mark leads with how often other users bought it right after
+  # this user's last purchase, e.g. '(often bought next)' (task/copurchase.py)
+  c.mark_copurchase = False
   c.short_title_words = 6        # compact variant title length
   c.max_history = 20             # most recent history items rendered (0 = all)
   c.num_candidates = 10  # candidates shown in the prompt
@@ -41,6 +44,9 @@ def task_config() -> ml_collections.ConfigDict:
   c.prompt_len = 512             # static P (history truncated from the oldest side)
   c.response_len = 256           # static R
   c.too_long_response = "drop"   # 'drop' | 'truncate_reasoning'
+  # > 0: newline fillers after </think> so the answer starts a new block of this size
+  # (task/pipeline.py: the answer block is denoised with the reasoning committed); 0 = none
+  c.answer_block = 0
   c.seed = 0  # seed of the trace building (shuffles, insertions)
   return c
 
@@ -78,6 +84,8 @@ def validate(config, runs: set) -> None:
   checks.one_of(c, "task", "answer_ids", answer.ANSWER_IDS)
   if t.mark_relations and t.prompt_variant != "minimal":
     checks.fail("task.mark_relations", f"needs task.prompt_variant='minimal' (got {t.prompt_variant!r})")
+  if t.get("mark_copurchase", False) and t.prompt_variant != "minimal":
+    checks.fail("task.mark_copurchase", f"needs task.prompt_variant='minimal' (got {t.prompt_variant!r})")
   if t.answer_ids == "number" and t.prompt_variant != "minimal":
     checks.fail("task.answer_ids", f"'number' needs task.prompt_variant='minimal' (the "
                 f"{t.prompt_variant!r} prompt's instructions ask for SIDs)")
@@ -90,6 +98,10 @@ def validate(config, runs: set) -> None:
   checks.one_of(c, "task", "accept", ACCEPT)
   for f in ("prompt_len", "response_len", "num_candidates", "demo_vocab_size"):
     checks.positive_int(c, "task", f)
+  ab = t.get("answer_block", 0)
+  if not isinstance(ab, int) or ab < 0 or (ab and t.response_len % ab):
+    checks.fail("task.answer_block", f"must be 0 or a block size that divides task.response_len "
+                f"({t.response_len}), got {ab!r}")
   for s in t.splits:
     if s not in SPLITS:
       checks.fail("task.splits", f"{s!r} is not a split; known: {list(SPLITS)}")

@@ -10,6 +10,14 @@ Tokenisation (`encode_example`):
   'drop' drops the example (`response_dropped`); 'truncate_reasoning' cuts reasoning tokens from
   the end so the closing `</think>`, the full answer and EOS still fit (`response_truncated`;
   dropped anyway when the answer alone does not fit).
+- `task.answer_block` = B > 0: newline tokens after `</think>` (Qwen3's own separator there) until
+  the answer starts at a multiple of B, i.e. at the first position of a diffusion block. Why: a
+  block-diffusion decoder denoises a block's positions in parallel; when the answer starts at a
+  varying offset inside the block that also finishes the reasoning, every answer token must be
+  placed relative to where the reasoning will end, which is itself still masked, and a small
+  model commits doubled or dropped separators (`[2,, 1 3`). Aligned, the answer block is decoded
+  with the whole reasoning (and its choice) committed, and each answer token has a fixed offset.
+  Costs up to B-1 filler tokens per response, the AR teacher writes them too (one format).
 - masks: `response_mask` on real response tokens incl. EOS; `reasoning_mask` on `<think>` ..
   `</think>` inclusive; `answer_mask` on everything after `</think>` incl. EOS.
 - `target_rank_in_candidates`: the target's 1-BASED rank in the retriever's candidate list (the
@@ -36,6 +44,7 @@ import tqdm
 from dgr2_jax.task import answer as answer_lib
 from dgr2_jax.task import prompts as prompts_lib
 from dgr2_jax.task import tokenizer as tok_lib
+from dgr2_jax.task import traces as traces_lib
 
 RESPONSE_POLICIES = ("drop", "truncate_reasoning")
 BATCH_KEYS = ("prompt_ids", "prompt_len", "response_ids", "response_mask", "reasoning_mask",
@@ -50,13 +59,15 @@ def encode_prompt(tokenizer, ex: dict, items, sids, task_cfg) -> tuple[list[int]
       tokenizer, ex["history"], ex["candidates"], items, sids, variant=task_cfg.prompt_variant,
       max_history=cap, max_len=task_cfg.prompt_len, short_words=task_cfg.short_title_words,
       enable_thinking=task_cfg.enable_thinking,
-      mark_relations=bool(task_cfg.get("mark_relations", False)))
+      mark_relations=bool(task_cfg.get("mark_relations", False)),
+      bought_next=traces_lib.bought_next(ex, task_cfg))
   return ids, dropped - (n_hist - cap)
 
 
 def encode_response(tokenizer, tids: tok_lib.TokenIds, response: str, max_len: int,
-                    policy: str) -> tuple[list[int] | None, int, str]:
-  """(ids incl. EOS or None if dropped, n_reasoning_ids (incl. think tags), status)."""
+                    policy: str, align: int = 0) -> tuple[list[int] | None, int, str]:
+  """(ids incl. EOS or None if dropped, n_reasoning_ids (incl. think tags), status). `align` > 0:
+  newline fillers after `</think>` so the answer starts at a multiple of `align` (module doc)."""
   if policy not in RESPONSE_POLICIES:
     raise ValueError(f"task.too_long_response must be one of {RESPONSE_POLICIES}, got {policy!r}")
   reasoning, answer = answer_lib.split_response(response)
@@ -65,12 +76,23 @@ def encode_response(tokenizer, tids: tok_lib.TokenIds, response: str, max_len: i
   r = prompts_lib.encode(tokenizer, reasoning)
   a = prompts_lib.encode(tokenizer, answer) + [tids.eos_id]
   status = "ok"
-  if len(r) + 2 + len(a) > max_len:
-    keep = max_len - 2 - len(a)
+  start = lambda n: -(-n // align) * align if align > 0 else n  # where the answer starts
+  if start(len(r) + 2) + len(a) > max_len:
+    keep = max_len - len(a)
+    keep = (keep // align) * align - 2 if align > 0 else keep - 2
     if policy == "drop" or keep < 0:
       return None, 0, "response_dropped"
     r, status = r[:keep], "response_truncated"
-  return [tids.think_id] + r + [tids.end_think_id] + a, len(r) + 2, status
+  fill = [] if align <= 0 else [filler_id(tokenizer)] * (start(len(r) + 2) - len(r) - 2)
+  return [tids.think_id] + r + [tids.end_think_id] + fill + a, len(r) + 2, status
+
+
+def filler_id(tokenizer) -> int:
+  """The token of one newline: the answer-alignment filler (`task.answer_block`)."""
+  ids = prompts_lib.encode(tokenizer, "\n")
+  if len(ids) != 1:
+    raise ValueError(f"task.answer_block needs a one-token newline; this tokenizer gives {ids}")
+  return ids[0]
 
 
 def encode_example(tokenizer, tids: tok_lib.TokenIds, ex: dict, items, sids,
@@ -90,7 +112,8 @@ def encode_example(tokenizer, tids: tok_lib.TokenIds, ex: dict, items, sids,
   row["prompt_ids"][P - len(p):] = p
   if "response" in ex:
     resp, n_reason, rstatus = encode_response(tokenizer, tids, ex["response"], R,
-                                              task_cfg.too_long_response)
+                                              task_cfg.too_long_response,
+                                              int(task_cfg.get("answer_block", 0)))
     if resp is None:
       return None, tuple(status) + (rstatus,)
     status += [rstatus] if rstatus != "ok" else []

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dgr2_jax.task import copurchase
+
 VARIANTS = ("compact", "full", "minimal")
 
 SYSTEM_COMPACT = (
@@ -103,26 +105,36 @@ def item_line(item: dict, sid: str, variant: str, short_words: int = 6) -> str:
   return " | ".join(parts)
 
 
-def relation_mark(cand: dict, history: Sequence[dict]) -> str:
-  """` (same brand)` etc. after a candidate line (`task.mark_relations`); '' for "Top pick"."""
-  rel = relation(cand, history)
-  return "" if rel == RELATIONS[-1] else f" ({rel.lower()})"
+def relation_mark(cand: dict, history: Sequence[dict], next_tier: str | None = None,
+                  brand_relations: bool = True) -> str:
+  """` (same brand)`, ` (often bought next, same brand)` etc. after a candidate line
+  (`task.mark_relations`, `task.mark_copurchase`); '' when nothing holds."""
+  rel = relation(cand, history) if brand_relations else RELATIONS[-1]
+  marks = [m.lower() for m in (next_tier, rel if rel != RELATIONS[-1] else None) if m]
+  return f" ({', '.join(marks)})" if marks else ""
 
 
 def build_messages(history: Sequence[int], candidates: Sequence[int], items: Sequence[dict],
                    sids: Sequence[str], variant: str = "compact",
-                   short_words: int = 6, mark_relations: bool = False) -> list[dict]:
+                   short_words: int = 6, mark_relations: bool = False,
+                   bought_next: Sequence[int] | None = None) -> list[dict]:
   """Chat messages (system + user) for one example; history is oldest first. `mark_relations`
   (minimal variant): each candidate line ends with its relation to the last purchase, e.g.
   `#3 <sid> Acme Brush (same brand)`, the evidence the brief rationale acts on, spelled out: a
-  3-layer model does not learn to match multi-token brand names across the prompt on its own."""
+  3-layer model does not learn to match multi-token brand names across the prompt on its own.
+  `bought_next` (minimal variant; per candidate, task/copurchase.py): its tier leads the mark,
+  e.g. `(often bought next, same brand)`."""
   if variant not in VARIANTS:
     raise ValueError(f"task.prompt_variant must be one of {VARIANTS}, got {variant!r}")
   if variant == "minimal":
     hist = "\n".join(item_line(items[i], sids[i], variant) for i in history)
     hist_items = [items[i] for i in history]
-    mark = (lambda i: relation_mark(items[i], hist_items)) if mark_relations else (lambda i: "")
-    cand = "\n".join(f"#{k + 1} {item_line(items[i], sids[i], variant)}{mark(i)}"
+    tiers = ([copurchase.tier(n) for n in bought_next] if bought_next is not None
+             else [None] * len(candidates))
+    marked = mark_relations or bought_next is not None
+    mark = lambda k, i: (relation_mark(items[i], hist_items, tiers[k], mark_relations)
+                         if marked else "")
+    cand = "\n".join(f"#{k + 1} {item_line(items[i], sids[i], variant)}{mark(k, i)}"
                      for k, i in enumerate(candidates))
     return [{"role": "user", "content": f"History:\n{hist or '(none)'}\nCandidates:\n{cand}"}]
   hist = "\n".join(f"{k + 1}. {item_line(items[i], sids[i], variant, short_words)}"
@@ -158,8 +170,8 @@ def encode(tokenizer, text: str) -> list[int]:
 def render_prompt_ids(tokenizer, history: Sequence[int], candidates: Sequence[int],
                       items: Sequence[dict], sids: Sequence[str], *, variant: str = "compact",
                       max_history: int = 20, max_len: int | None = None, short_words: int = 6,
-                      enable_thinking: bool = True, mark_relations: bool = False
-                      ) -> tuple[list[int], int]:
+                      enable_thinking: bool = True, mark_relations: bool = False,
+                      bought_next: Sequence[int] | None = None) -> tuple[list[int], int]:
   """Prompt token ids, dropping the oldest history items until it fits `max_len`.
 
   Returns (ids, n_history_dropped) where the count includes the `max_history` cap. Raises
@@ -169,7 +181,8 @@ def render_prompt_ids(tokenizer, history: Sequence[int], candidates: Sequence[in
   dropped = max(0, len(history) - max_history) if max_history > 0 else 0
   history = history[dropped:]
   while True:
-    msgs = build_messages(history, candidates, items, sids, variant, short_words, mark_relations)
+    msgs = build_messages(history, candidates, items, sids, variant, short_words, mark_relations,
+                          bought_next)
     ids = encode(tokenizer, render_prompt_text(tokenizer, msgs, enable_thinking))
     if max_len is None or len(ids) <= max_len:
       return ids, dropped
@@ -186,4 +199,5 @@ def template_texts() -> list[str]:
   return [SYSTEM_COMPACT, SYSTEM_FULL, "History (oldest first):", "History:", "Candidates:",
           " ".join(f"#{k}" for k in range(1, 21)),
           "Purchase history", "Candidates from the retriever", "title: category: brand: price:",
-          " (same brand) (same type) (brand seen)"]
+          " (same brand) (same type) (brand seen)",
+          " (often bought next) (bought next twice) (bought next once) (often bought next, same brand)"]

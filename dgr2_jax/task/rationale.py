@@ -24,8 +24,9 @@ choice already in the KV cache, instead of in parallel with it.
 first, the others keep their order.`): with real brand and category names the terse sentences run
 to ~45 tokens and push the choice into the block the answer starts in; without the SIDs the
 reasoning (~25 tokens) ends in the first block of 32, so the answer block is denoised with the
-choice already committed. A caller (the trace policy, task/policy.py) may fix the first candidate
-and the relation the sentence names.
+choice already committed; counted with `count_fn`, it is kept within `target_tokens` by cutting the
+recent item's words from the end. A caller (the trace policy, task/policy.py) may fix the first
+candidate and the relation the sentence names.
 Length ('full'): sentences about the other candidates (retriever order), then about earlier history
 items, are added while they bring the token count closer to `target_tokens`, counted with
 `count_fn` (the tokenizer in use); so the mean length tracks the knob.
@@ -147,9 +148,12 @@ def terse(history: Sequence[dict], hist_sids: Sequence[str], cand: dict, sid: st
                  f"So #{pos + 1} goes first, the others keep their order.")
 
 
-def brief(history: Sequence[dict], pos: int, rel: str) -> str:
-  """`Recent <brand> <leaf>. <relation> #<k>. So #<k> goes first, ...` (module docstring)."""
-  head = f"Recent {prompts.brand_leaf(history[-1])}. " if history else ""
+def brief(history: Sequence[dict], pos: int, rel: str, recent: str | None = None) -> str:
+  """`Recent <brand> <leaf>. <relation> #<k>. So #<k> goes first, ...` (module docstring);
+  `recent` replaces `<brand> <leaf>`."""
+  if recent is None and history:
+    recent = prompts.brand_leaf(history[-1])
+  head = f"Recent {recent}. " if history else ""
   return head + f"{rel} #{pos + 1}. So #{pos + 1} goes first, the others keep their order."
 
 
@@ -180,7 +184,13 @@ def generate(history: Sequence[dict], hist_sids: Sequence[str], candidates: Sequ
   ranking = [first] + [k for k in range(n) if k != first]
   rel = relation_text or relation(candidates[first], history)
   if style == "brief":
-    return brief(history, first, rel), ranking
+    # At most `target_tokens` (when counted): the recent item's words are cut from the end, so a
+    # long brand or leaf name never pushes the choice past the block the reasoning must end in.
+    text, words = brief(history, first, rel), prompts.brand_leaf(history[-1]).split() if history else []
+    while count_fn is not None and len(words) > 1 and count(text) > target_tokens:
+      words = words[:-1]
+      text = brief(history, first, rel, " ".join(words))
+    return text, ranking
   if style == "terse":
     return terse(history, hist_sids, candidates[first], cand_sids[first], first, rel), ranking
   head = [_profile(history, hist_sids),
@@ -222,5 +232,7 @@ def template_texts() -> list[str]:
           "The user has no earlier purchases, so the candidates are judged on their own.",
           " So # goes first, the others keep their order.",
           "Recent . Same brand #. Same type #. Brand seen #. Top pick #. So # goes first, the "
-          "others keep their order."] + [
+          "others keep their order.",
+          "Recent . Often bought next #. Bought next twice #. Bought next once #. So # goes "
+          "first, the others keep their order."] + [
               n for _, n in _BANDS]

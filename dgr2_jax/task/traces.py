@@ -18,6 +18,10 @@ position drawn from a generator seeded by (seed, user), uniformly, 'matched' the
 position drawn from `position_probs` (the traces stage passes the validation split's histogram of
 where the retriever puts the target, so inserted targets sit where real ones do: ~1/4 at #1).
 
+With `bought_next=True` (`task.mark_copurchase`) each example also carries `bought_next`: per
+candidate, how many users bought it right after this user's last history item, counted over the
+split's pre-target interactions only (task/copurchase.py).
+
 Trace (JSONL record): the example fields plus `messages` (chat messages of the prompt),
 `response` (`<think>..</think>{"ranking": [...]}`, no EOS), `source` ('builtin' | 'import'), and
 for built-in traces `order` (the response's ranking as 0-based candidate positions).
@@ -32,6 +36,7 @@ import numpy as np
 
 from dgr2_jax.fileio import InputError
 from dgr2_jax.task import answer as answer_lib
+from dgr2_jax.task import copurchase
 from dgr2_jax.task import metrics as metrics_lib
 from dgr2_jax.task import policy as policy_lib
 from dgr2_jax.task import prompts as prompts_lib
@@ -45,7 +50,8 @@ ACCEPT_RULES = ("top1", "promote")
 def build_examples(sequences: Sequence[Sequence[int]], candidates: np.ndarray, split: str, *,
                    insert_target: str = "none", require_target: bool = True,
                    seed: int = 0, shuffle: bool = False,
-                   position_probs: Sequence[float] | None = None) -> tuple[list[dict], dict]:
+                   position_probs: Sequence[float] | None = None,
+                   bought_next: bool = False) -> tuple[list[dict], dict]:
   """Examples of one split plus counts of what was kept, inserted and dropped.
 
   `shuffle=True` presents each user's candidates in an order drawn from a generator seeded by
@@ -59,6 +65,7 @@ def build_examples(sequences: Sequence[Sequence[int]], candidates: np.ndarray, s
   if candidates.ndim != 2 or candidates.shape[0] != len(sequences):
     raise ValueError(f"candidates shape {candidates.shape} does not match {len(sequences)} users")
   cut = SPLIT_CUT[split]
+  tab = copurchase.table(sequences, cut) if bought_next else None
   counts = dict(users=len(sequences), skipped_short=0, target_in_candidates=0, inserted=0,
                 dropped_no_target=0, kept=0)
   out = []
@@ -96,15 +103,28 @@ def build_examples(sequences: Sequence[Sequence[int]], candidates: np.ndarray, s
       pos = cands.index(target) if target in cands else -1
     out.append(dict(example_id=u, user=u, split=split, history=history, target=target,
                     candidates=cands, target_pos=pos, inserted=inserted))
+    if tab is not None:
+      out[-1]["bought_next"] = copurchase.counts(tab, history, cands)
   counts["kept"] = len(out)
   return out, counts
+
+
+def bought_next(ex: dict, task_cfg) -> list[int] | None:
+  """The example's next-purchase counts when the prompt shows them (`task.mark_copurchase`)."""
+  if not task_cfg.get("mark_copurchase", False):
+    return None
+  if "bought_next" not in ex:
+    raise ValueError("task.mark_copurchase needs examples built with bought_next=True "
+                     "(task/traces.py build_examples)")
+  return ex["bought_next"]
 
 
 def example_messages(ex: dict, items, sids, task_cfg) -> list[dict]:
   hist = ex["history"][-task_cfg.max_history:] if task_cfg.max_history > 0 else ex["history"]
   return prompts_lib.build_messages(hist, ex["candidates"], items, sids,
                                     task_cfg.prompt_variant, task_cfg.short_title_words,
-                                    bool(task_cfg.get("mark_relations", False)))
+                                    bool(task_cfg.get("mark_relations", False)),
+                                    bought_next(ex, task_cfg))
 
 
 def builtin_trace(ex: dict, items, sids, task_cfg, count_fn: Callable[[str], int] | None = None,
@@ -116,9 +136,9 @@ def builtin_trace(ex: dict, items, sids, task_cfg, count_fn: Callable[[str], int
   hist_items, cand_items = [items[i] for i in hist], [items[i] for i in ex["candidates"]]
   first = rel = None
   if policy is not None:
-    rels = policy_lib.relations(hist_items, cand_items)
+    rels = policy_lib.relations(hist_items, cand_items, bought_next(ex, task_cfg))
     first = policy_lib.choose_from(rels, policy)
-    rel = rels[first] if rels[first] in policy["tiers"] else rationale_lib.RELATIONS[-1]
+    rel = policy_lib.strongest(rels[first], policy["tiers"]) or rationale_lib.RELATIONS[-1]
   reasoning, order = rationale_lib.generate(
       hist_items, [sids[i] for i in hist], cand_items, [sids[i] for i in ex["candidates"]],
       ex["target_pos"], knows_target=knows_target, target_tokens=task_cfg.rationale_tokens,
