@@ -8,6 +8,7 @@ processes only process 0 writes (`multihost.is_writer`); the others' calls retur
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import tempfile
@@ -28,6 +29,16 @@ def to_plain(obj: Any) -> Any:
   if isinstance(obj, (list, tuple)):
     return [to_plain(v) for v in obj]
   return obj
+
+
+def file_digest(path: str) -> list:
+  """[size, sha256] of a file: what a stage hashes of an input file (content, not mtime, so a
+  copied or re-mounted input does not rebuild, and an edited one does)."""
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      h.update(chunk)
+  return [os.path.getsize(path), h.hexdigest()]
 
 
 def write_text_atomic(path: str, text: str) -> None:

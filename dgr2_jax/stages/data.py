@@ -14,6 +14,7 @@ import time
 from absl import logging
 import grain
 
+from dgr2_jax import fileio
 from dgr2_jax.data import api
 from dgr2_jax.data import beauty
 from dgr2_jax.data import tfds_builders
@@ -24,9 +25,9 @@ def stage_hash(config) -> str:
   parts = [config.data.to_dict()]
   if config.data.source == "synthetic":
     parts.append({"seed": config.seed})
-  else:  # a changed input folder must rebuild
+  else:  # a changed input file must rebuild; a copied or re-mounted one (new mtime) need not
     fmt, paths = beauty.resolve_format(config.data.dir, config.data.format)
-    parts.append({p: [os.path.getsize(v), os.path.getmtime(v)] for p, v in sorted(paths.items())})
+    parts.append({p: fileio.file_digest(v) for p, v in sorted(paths.items())})
   return common.config_hash(*parts)
 
 

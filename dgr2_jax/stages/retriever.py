@@ -23,6 +23,7 @@ from absl import logging
 import flax.serialization
 import numpy as np
 
+from dgr2_jax import fileio
 from dgr2_jax.data import api
 from dgr2_jax.data import sasrec
 from dgr2_jax.fileio import InputError
@@ -34,7 +35,7 @@ def _hash(config, workdir: str) -> str:
            common.read_done(os.path.join(workdir, "data"))["config_hash"]]
   f = config.retriever.candidates_file
   if config.retriever.source == "file" and f and os.path.exists(f):
-    parts.append([os.path.getsize(f), os.path.getmtime(f)])
+    parts.append(fileio.file_digest(f))
   return common.config_hash(*parts)
 
 

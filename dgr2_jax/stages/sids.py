@@ -14,6 +14,7 @@ import time
 import numpy as np
 from absl import logging
 
+from dgr2_jax import fileio
 from dgr2_jax.data import api
 from dgr2_jax.data import sids
 from dgr2_jax.stages import common
@@ -24,7 +25,7 @@ def _hash(config, workdir: str) -> str:
            common.read_done(os.path.join(workdir, "data"))["config_hash"]]
   if config.sids.encoder == "npy" and config.sids.embeddings_npy and os.path.exists(
       config.sids.embeddings_npy):
-    parts.append(os.path.getmtime(config.sids.embeddings_npy))
+    parts.append(fileio.file_digest(config.sids.embeddings_npy))
   return common.config_hash(*parts)
 
 
