@@ -167,6 +167,21 @@ def test_rerun_is_a_no_op_and_config_change_rebuilds(built, raw):
   assert data_stage.stage_hash(c2) != common.read_done(os.path.join(wd, "data"))["config_hash"]
 
 
+def test_input_files_are_hashed_by_content_not_mtime(raw, tmp_path):
+  import shutil
+  d = str(tmp_path / "copy")
+  shutil.copytree(raw["tsv"], d)
+  c = _config(source="beauty", dir=d)
+  h = data_stage.stage_hash(c)
+  for f in os.listdir(d):                      # a re-mount or copy: new times, same bytes
+    os.utime(os.path.join(d, f), (1e9, 1e9))
+  assert data_stage.stage_hash(c) == h
+  f = sorted(os.listdir(d))[0]
+  with open(os.path.join(d, f), "ab") as fh:  # an edit: rebuild
+    fh.write(b"\n")
+  assert data_stage.stage_hash(c) != h
+
+
 def test_synthetic_builder(tmp_path):
   c = _config(source="synthetic")
   st = data_stage.run(c, str(tmp_path))

@@ -184,14 +184,19 @@ class Service:
     if len(set(cands)) != len(cands):
       raise BadRequest("candidates", "item ids must be distinct")
     opts = self.decode_options(body)
-    ex = dict(history=history, candidates=cands, example_id=None, user=None, target=-1, target_pos=-1)
-    if self.next_table is not None:
-      ex["bought_next"] = copurchase.counts(self.next_table, history, cands)
+    ex = self.example(history, cands)
     try:
       prompt, _ = pipeline_lib.encode_prompt(self.tokenizer, ex, self.items, self.sids, self.task)
     except ValueError as e:
       raise BadRequest("candidates", f"the prompt does not fit task.prompt_len ({e})") from None
     return ex, self._request(prompt, opts), opts["mode"]
+
+  def example(self, history: list[int], cands: list[int]) -> dict:
+    """The task example of one impression, as the eval stage builds a test user's."""
+    ex = dict(history=history, candidates=cands, example_id=None, user=None, target=-1, target_pos=-1)
+    if self.next_table is not None:
+      ex["bought_next"] = copurchase.counts(self.next_table, history, cands)
+    return ex
 
   def _request(self, prompt, opts) -> engine_lib.Request:
     return engine_lib.Request(prompt, threshold=opts["threshold"], max_new_tokens=opts["max_new_tokens"],
