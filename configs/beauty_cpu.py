@@ -13,15 +13,18 @@ candidate numbers, and training lists made the way test lists are:
   (`retriever.train_lists='holdout'`), in the retriever's order (no shuffling);
 - where it missed the target, the target is inserted where the retriever puts targets on
   validation (`task.insert_target='matched'`), so every training user is kept;
-- each candidate line names its relation to the last purchase (`task.mark_relations`:
-  `#3 <sid> Acme Brush (same brand)`): a 3-layer model trained on unmarked lists never learned
-  to match brand names across the prompt and kept the retriever's #1 for every user;
-- the brief rationale (`Recent <brand> <leaf>. Same brand #3. So #3 goes first, ...`) moves a
-  candidate above the retriever's #1 only on the relations to the last purchase that pick the
-  target more often than #1 does on the training lists (`task.trace_policy='fit'`,
+- each candidate line names its relation to the last purchase and, first, how often other users
+  bought it right after this user's last item, counted on histories before the split's targets
+  (`task.mark_relations`, `task.mark_copurchase`: `#3 <sid> Acme Brush (often bought next, same
+  brand)`): a 3-layer model does not match brand names across the prompt on its own;
+- the brief rationale (`Recent <brand> <leaf>. Often bought next #3. So #3 goes first, ...`,
+  at most `task.rationale_tokens`) moves a candidate above the retriever's #1 only on the marks
+  that pick the target more often than #1 does on the training lists (`task.trace_policy='fit'`,
   traces/policy.json); traces whose ranking demotes the target are rejected
-  (`task.reject_demoting`), as the paper rejection-samples its teacher's traces.
-The ladder is on every test user whose target the retriever puts in its top 10 (1,896 with this
+  (`task.reject_demoting`), as the paper rejection-samples its teacher's traces;
+- the answer starts a block of its own (`task.answer_block`), so a diffusion model denoises it
+  with the choice already committed.
+The ladder is on every test user whose target the retriever puts in its top 10 (1,891 with this
 SASRec), as in the paper (n = 1,615 there).
 The model is the demo's 3-layer, 64-wide Qwen3, so this is the recipe's shape on real data, not
 the paper's accuracy (docs/results.md: the table beside the paper's Q1).
@@ -46,8 +49,8 @@ def get_config(arg: str = ""):
   c.sids.hidden_dims = (512, 256, 128)
   c.sids.batch_size = 1024
   c.sids.num_steps = 3000
-  # The paper's retriever: a converged SASRec (docs/results.md: test Recall@10 0.0848, 1,896 test users with
-  # the target in the top 10, pre-rank Recall@1 0.284; the paper's 0.281 on 1,615).
+  # The paper's retriever: a converged SASRec (docs/results.md: test Recall@10 0.0846, 1,891 test users with
+  # the target in the top 10, pre-rank Recall@1 0.290; the paper's 0.281 on 1,615).
   c.retriever.hidden = 64
   c.retriever.batch_size = 128
   c.retriever.dropout = 0.5

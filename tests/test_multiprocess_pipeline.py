@@ -75,9 +75,15 @@ def test_same_hashes_and_host_files(runs):
   # their hashes name that directory (`eval.output_dir`): not a result, so they are left out.
   strip = lambda h: {k: v for k, v in h.items() if not k.startswith("bench" + os.sep)}
   assert strip(done_hashes(one)) == strip(done_hashes(two))
-  for s in HOST_STAGES:
+  assert _host_diff(one, two, HOST_STAGES) == []
+
+
+def _host_diff(one, two, stages) -> list:
+  """Files of `stages` that differ between two workdirs."""
+  diff = []
+  for s in stages:
     cmp = filecmp.dircmp(one / s, two / s)
-    stack, diff = [cmp], []
+    stack = [cmp]
     while stack:
       c = stack.pop()
       diff += [os.path.join(c.left, f) for f in c.diff_files + c.left_only + c.right_only]
@@ -90,7 +96,25 @@ def test_same_hashes_and_host_files(runs):
       other = os.path.join(two / s, os.path.relpath(f, one / s))
       if os.path.exists(other) and _untimed(f) == _untimed(other):
         diff.remove(f)
-    assert diff == [], diff
+  return diff
+
+
+def test_real_data_task_format_is_process_count_independent(tmp_path):
+  """The host stages with the real-Beauty preset's task format (next-purchase marks, relation
+  marks, the fitted trace policy, demoting traces rejected, the answer in a block of its own) as
+  1 process and as 2: the same data, retriever and trace files."""
+  flags = ["--config.task.mark_relations=True", "--config.task.mark_copurchase=True",
+           "--config.task.rationale_style=brief", "--config.task.trace_policy=fit",
+           "--config.task.reject_demoting=True", "--config.task.shuffle_train=False",
+           "--config.task.answer_block=32", "--config.stage=traces"]
+  wds = {}
+  for n in (1, 2):
+    wd = tmp_path / f"{n}p"
+    mph.check(mph.launch(n, 1, SMOKE + [f"--workdir={wd}"] + flags, timeout=900))
+    wds[n] = wd
+  with open(wds[1] / "traces" / "policy.json") as f:
+    assert json.load(f)["chosen_on"] == "train"
+  assert _host_diff(wds[1], wds[2], HOST_STAGES) == []
 
 
 def _untimed(path):
