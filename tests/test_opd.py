@@ -232,9 +232,11 @@ def test_on_policy_loop_logs_host_metrics_and_resumes(setup, tmp_path):
   assert all(k in recs[-1] for k in ("loss", "mean_nfe", "rollout_time_s", "update_time_s", "kl_to_teacher"))
 
 
-def test_on_policy_validation_curve_keeps_the_best_point(setup, tmp_path):
+@pytest.mark.parametrize("rates,best", [((1.0, 0.8, 0.8), 2), ((1.0, 0.8, 0.9), 3)])
+def test_on_policy_validation_curve_keeps_the_best_point(setup, tmp_path, rates, best):
   """`validate` runs before step 1, every `validate_every` steps and at the last; `keep_best`
-  returns the params the best validation value was measured on (ties: the earliest)."""
+  returns the params the best validation Recall@1 was measured on (ties: the higher valid rate,
+  then the earliest)."""
   cfg, teacher, _, toks, lens = setup
   # Fresh params: the on-policy loop donates the params it starts from (other tests' `other`).
   other = jax.tree_util.tree_map(lambda x: x * 8 if x.ndim == 2 else x, qwen3.init_params(cfg, jax.random.PRNGKey(2)))
@@ -247,19 +249,21 @@ def test_on_policy_validation_curve_keeps_the_best_point(setup, tmp_path):
     return _batch(cfg, teacher, roll, rollouts.replay_inputs(roll, 4, 63)), {}
 
   seen = []
-  scores = iter([0.2, 0.5, 0.5])   # steps 0, 2, 3 (every 2 and the last): a tie -> the earliest, 2
+  scores = iter(zip([0.2, 0.5, 0.5], rates))   # steps 0, 2, 3 (every 2 and the last)
 
   def validate(p):
     seen.append(np.asarray(jax.tree_util.tree_leaves(p)[0]).copy())
-    return {"valid_recall@1": next(scores)}
+    r, v = next(scores)
+    return {"valid_recall@1": r, "valid_valid_rate": v}
 
   loss_fn = lambda p, b, rng: opd.opd_loss(bcfg, p, b, rng, block_size=4)
   state = rollouts.train_on_policy(config, str(tmp_path), params=other, loss_fn=loss_fn,
                                    make_batch=make_batch, prompt_iter=iter(lambda: dict(prompts), None),
                                    desc="curve-test", validate=validate, validate_every=2,
                                    keep_best=True)
-  assert [c["step"] for c in state["valid_curve"]] == [0, 2, 3] and state["best_step"] == 2
+  assert [c["step"] for c in state["valid_curve"]] == [0, 2, 3] and state["best_step"] == best
   assert len(seen) == 3 and not np.allclose(seen[1], seen[2])
-  np.testing.assert_array_equal(np.asarray(jax.tree_util.tree_leaves(state["params"])[0]), seen[1])
+  np.testing.assert_array_equal(np.asarray(jax.tree_util.tree_leaves(state["params"])[0]),
+                                seen[{2: 1, 3: 2}[best]])
   recs = [json.loads(l) for l in open(os.path.join(tmp_path, "metrics.jsonl"))]
   assert [r.get("valid_recall@1") for r in recs] == [None, 0.5, 0.5]

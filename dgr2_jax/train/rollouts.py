@@ -179,8 +179,10 @@ def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
 
   `validate(params) -> {"valid_recall@1": x, ...}` runs before the first step and every
   `validate_every` steps (and at the last): its numbers join that step's metrics and the returned
-  state's `valid_curve`. `keep_best` returns the params of the curve's best point (ties: the
-  earliest), so the number of steps is chosen on validation; it holds one more copy of the params
+  state's `valid_curve`. `keep_best` returns the params of the curve's best point: the highest
+  `valid_recall@1`, ties broken by the higher `valid_valid_rate` (an invalid answer falls back to
+  the retriever's order, so of two equal rankers the one that answers validly more often is
+  kept), then by the earliest step; so the number of steps is chosen on validation; it holds one more copy of the params
   on the devices, and a resumed run's curve starts at the resumed step."""
   tc = config.train
   total, gb, k = int(tc.total_steps), int(tc.batch_size), int(tc.grad_accum_steps)
@@ -224,14 +226,15 @@ def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
   rollout_root = jax.random.PRNGKey(int(config.seed) + 1)
   ckpt_every = max(int(tc.checkpoint_every), 1)
   last_saved = start if start else None
-  curve, best = [], None   # best: (value, step, params copy)
+  curve, best = [], None   # best: ((recall, valid rate), step, params copy)
 
   def run_validation(s: int) -> dict:
     nonlocal best
     vm = {n: float(v) for n, v in validate(state["params"]).items()}
     curve.append({"step": s, **vm})
-    if keep_best and (best is None or vm["valid_recall@1"] > best[0]):
-      best = (vm["valid_recall@1"], s, jax.tree_util.tree_map(jnp.copy, state["params"]))
+    key = (vm["valid_recall@1"], vm.get("valid_valid_rate", 0.0))
+    if keep_best and (best is None or key > best[0]):
+      best = (key, s, jax.tree_util.tree_map(jnp.copy, state["params"]))
     return vm
 
   validating = validate is not None and validate_every > 0
