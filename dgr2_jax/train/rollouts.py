@@ -182,8 +182,8 @@ def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
   state's `valid_curve`. `keep_best` returns the params of the curve's best point: the highest
   `valid_recall@1`, ties broken by the higher `valid_valid_rate` (an invalid answer falls back to
   the retriever's order, so of two equal rankers the one that answers validly more often is
-  kept), then by the earliest step; so the number of steps is chosen on validation; it holds one more copy of the params
-  on the devices, and a resumed run's curve starts at the resumed step."""
+  kept), then by the earliest step. So the number of steps is chosen on validation; it holds one
+  more copy of the params on the devices, and a resumed run's curve starts at the resumed step."""
   tc = config.train
   total, gb, k = int(tc.total_steps), int(tc.batch_size), int(tc.grad_accum_steps)
   if total <= 0:
