@@ -57,9 +57,13 @@ def test_route_equals_einsum_values_and_gradients(layout, impl):
 
   def f(q, k, v, mask, route):
     return jnp.sum(jnp.where(on, attention.attend(q, k, v, mask, route), 0.0) * w)
-  ref, ref_g = jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v, dense, "xla")
-  out, g = jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v, spec, impl)
-  np.testing.assert_allclose(float(out), float(ref), rtol=1e-5, atol=1e-5)
+  ref_g = jax.grad(f, argnums=(0, 1, 2))(q, k, v, dense, "xla")
+  g = jax.grad(f, argnums=(0, 1, 2))(q, k, v, spec, impl)
+  # Values compared element by element: the weighted sum of ~3,000 outputs cancels to ~0.5, so its
+  # f32 rounding depends on the CPU's reduction order, not on the route.
+  out = jnp.where(on, attention.attend(q, k, v, spec, impl), 0.0)
+  ref = jnp.where(on, attention.attend(q, k, v, dense, "xla"), 0.0)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
   for a, b in zip(g, ref_g):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
   # bf16 inputs: within bf16's precision of the f32 reference.
