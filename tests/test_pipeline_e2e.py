@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -69,6 +70,16 @@ def test_toy_pipeline_end_to_end(smoke_workdir):
   assert _main(workdir, timeout=300) < 60
   again = json.load(open(os.path.join(res, "stage_times.json")))
   assert again["built"]["sft"] == times["built"]["sft"] and again["seconds"]["sft"] < 30, again
+  # A copied (or moved) workdir is as fresh as the original: paths inside it enter the stages'
+  # cache keys relative to it.
+  copy = workdir.rstrip("/") + "_copy"
+  shutil.copytree(workdir, copy)
+  try:
+    assert _main(copy, timeout=300) < 60
+    moved = json.load(open(os.path.join(copy, "results", "stage_times.json")))
+    assert moved["built"] == times["built"], moved
+  finally:
+    shutil.rmtree(copy, ignore_errors=True)
   # The quality-figures script on the same workdir: pipeline fresh, then held-out evals and KL.
   env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
   cmd = [sys.executable, "benchmarks/recipe_figures.py", CONFIG, f"--workdir={workdir}", "--max_examples=4",

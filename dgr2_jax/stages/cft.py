@@ -49,7 +49,7 @@ def run(config, workdir: str) -> str:
   prev = pipeline_stage.previous_model_stage(config, STAGE)
   init_from = cc.get("init_from", "") or pipeline_stage.model_dir(workdir, prev)
   upstream = [(common.read_done(common.stage_dir(workdir, s)) or {}).get("config_hash") for s in ("traces", prev)]
-  chash = common.config_hash(config.seed, cc, config.train, config.task, init_from, upstream)
+  chash = common.config_hash(config.seed, cc, config.train, config.task, init_from, upstream, workdir=workdir)
   out = common.stage_dir(workdir, STAGE)
   if common.is_fresh(out, chash):
     return out

@@ -24,10 +24,29 @@ from dgr2_jax import multihost
 from dgr2_jax.fileio import is_writer, read_done, to_plain, write_json_atomic, write_text_atomic  # noqa: F401 (re-exported)
 
 
-def config_hash(*parts: Any) -> str:
-  """Stable short hash of any JSON-able combination of configs and upstream hashes."""
-  blob = json.dumps([to_plain(p) for p in parts], sort_keys=True, default=str)
+def config_hash(*parts: Any, workdir: str | None = None) -> str:
+  """Stable short hash of any JSON-able combination of configs and upstream hashes.
+
+  With `workdir`, every string naming a path inside it enters the hash relative to it: a workdir
+  that is moved or copied stays fresh (the models it names are keyed by content, `model_hash`).
+  """
+  plain = [to_plain(p) for p in parts]
+  if workdir:
+    plain = _relative_paths(plain, os.path.abspath(workdir))
+  blob = json.dumps(plain, sort_keys=True, default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _relative_paths(x: Any, root: str) -> Any:
+  if isinstance(x, dict):
+    return {k: _relative_paths(v, root) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_relative_paths(v, root) for v in x]
+  if isinstance(x, str) and x and os.path.isabs(x):
+    p = os.path.abspath(x)
+    if p == root or p.startswith(root + os.sep):
+      return os.path.join("$WORKDIR", os.path.relpath(p, root))
+  return x
 
 
 def stage_dir(workdir: str, name: str) -> str:

@@ -71,7 +71,7 @@ def run(config, workdir: str) -> str:
   src_stage = pipeline.previous_model_stage(config, STAGE)
   upstream = common.read_done(common.stage_dir(workdir, src_stage))["config_hash"]
   block = int(config.cft.block_size)
-  chash = common.config_hash({"block_size": block}, upstream)
+  chash = common.config_hash({"block_size": block}, upstream, workdir=workdir)
   out = common.stage_dir(workdir, STAGE)
   if common.is_fresh(out, chash):
     return out

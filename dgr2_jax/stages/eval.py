@@ -78,7 +78,7 @@ def run(config, workdir: str, generate_fn=None, models: dict | None = None) -> s
   verifier = verifier_dir(config, workdir)
   chash = common.config_hash(ec, tc, config.get("decode", {}), config.get("seed", 0),
                              traces_stage.upstream_hashes(workdir), model_done,
-                             [verifier, common.model_hash(verifier)] if verifier else None)
+                             [verifier, common.model_hash(verifier)] if verifier else None, workdir=workdir)
   name = ec.name or f"{ec.split}-{chash[:8]}"
   out = ec.output_dir or os.path.join(workdir, "eval", name)
   if common.is_fresh(out, chash):

@@ -130,7 +130,7 @@ def fit_policy(d: dict, tc) -> dict:
 def run(config, workdir: str) -> str:
   out = common.stage_dir(workdir, "traces")
   tc = config.task
-  chash = common.config_hash(tc, config.get("seed", 0), upstream_hashes(workdir))
+  chash = common.config_hash(tc, config.get("seed", 0), upstream_hashes(workdir), workdir=workdir)
   if common.is_fresh(out, chash):
     return out
   d = load_task_data(workdir)
