@@ -231,3 +231,17 @@ def test_a_stage_alone_runs_the_stages_it_needs_first(tmp_path, monkeypatch):
   c2.opd.init_from = str(tmp_path)
   assert pipeline.missing_prerequisites(c2, str(tmp_path / "w"), "opd") == []
   assert pipeline.missing_prerequisites(c2, str(tmp_path / "w"), "pipeline") == []
+
+
+def test_cache_keys_name_workdir_paths_relative_to_it(tmp_path):
+  # A copied or moved workdir keeps its stages fresh: a path inside it keys the same from both
+  # places; a path outside it, or another path inside it, keys differently.
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  key = lambda wd, p: common.config_hash({"init_from": p, "x": 1}, [p], workdir=wd)
+  assert key(a, os.path.join(a, "cft", "model")) == key(b, os.path.join(b, "cft", "model"))
+  assert key(a, os.path.join(a, "cft", "model")) != key(a, os.path.join(a, "sft", "model"))
+  assert key(a, "/elsewhere/model") != key(b, os.path.join(b, "elsewhere", "model"))
+  sibling = [a + "x/model"]   # shares the workdir's prefix, but is outside it: kept as it is
+  assert common.config_hash(sibling, workdir=a) == common.config_hash(sibling)
+  assert common.config_hash([a + "/m"], workdir=a) != common.config_hash([a + "/m"])
+  assert common.config_hash({"p": "rel/path"}) == common.config_hash({"p": "rel/path"}, workdir=a)
