@@ -195,7 +195,8 @@ def run(config, workdir: str) -> dict:
   chash = common.config_hash(bc, config.eval, config.task, config.decode, config.get("seed", 0),
                              traces_stage.upstream_hashes(workdir),
                              [common.model_hash(p) for p in need],
-                             dmesh.describe(dmesh.from_config(config)), workdir=workdir)   # timings are the devices'
+                             dmesh.describe(dmesh.from_config(config)),   # timings are the devices'
+                             workdir=workdir)
   out = common.stage_dir(workdir, STAGE)
   if common.is_fresh(out, chash):
     with open(os.path.join(out, "frontier.json")) as f:

@@ -256,7 +256,8 @@ def run(config, workdir: str) -> str:
   traces_hash = (common.read_done(common.stage_dir(workdir, "traces")) or {}).get("config_hash")
   chash = common.config_hash(config.seed, oc, config.decode, config.task, config.train.mesh,
                              config.train.optimizer, src, common.model_hash(src), teacher_dir,
-                             common.model_hash(teacher_dir) if teacher_dir else None, traces_hash, workdir=workdir)
+                             common.model_hash(teacher_dir) if teacher_dir else None, traces_hash,
+                             workdir=workdir)
   if common.is_fresh(out, chash):
     return out
   train_dir = sft_stage.prepare_train_dir(out, chash)

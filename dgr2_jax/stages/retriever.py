@@ -36,7 +36,7 @@ def _hash(config, workdir: str) -> str:
   f = config.retriever.candidates_file
   if config.retriever.source == "file" and f and os.path.exists(f):
     parts.append(fileio.file_digest(f))
-  return common.config_hash(*parts)
+  return common.config_hash(*parts, workdir=workdir)
 
 
 def read_candidates_file(path: str, sequences: list[list[int]], n_items: int, k: int) -> dict:

@@ -58,7 +58,8 @@ def train_grpo(config, workdir: str, stage: str, rc, src: str, decode_overrides:
   out = common.stage_dir(workdir, stage)
   traces_hash = (common.read_done(common.stage_dir(workdir, "traces")) or {}).get("config_hash")
   chash = common.config_hash(config.seed, rc, config.decode, config.task, config.train.mesh,
-                             config.train.optimizer, src, common.model_hash(src), traces_hash, workdir=workdir)
+                             config.train.optimizer, src, common.model_hash(src), traces_hash,
+                             workdir=workdir)
   if common.is_fresh(out, chash):
     return out
   train_dir = sft_stage.prepare_train_dir(out, chash)

@@ -76,7 +76,8 @@ def run(config, workdir: str) -> str:
   config = config.copy_and_resolve_references()  # train.total_steps may be derived below
   out = common.stage_dir(workdir, STAGE)
   chash = common.config_hash(config.seed, config.model, config.train, config.task,
-                             [(common.read_done(common.stage_dir(workdir, "traces")) or {}).get("config_hash")], workdir=workdir)
+                             [(common.read_done(common.stage_dir(workdir, "traces")) or {}).get("config_hash")],
+                             workdir=workdir)
   if common.is_fresh(out, chash):
     return out
   train_dir = prepare_train_dir(out, chash)

@@ -26,7 +26,7 @@ def _hash(config, workdir: str) -> str:
   if config.sids.encoder == "npy" and config.sids.embeddings_npy and os.path.exists(
       config.sids.embeddings_npy):
     parts.append(fileio.file_digest(config.sids.embeddings_npy))
-  return common.config_hash(*parts)
+  return common.config_hash(*parts, workdir=workdir)
 
 
 def run(config, workdir: str) -> dict:
