@@ -113,8 +113,10 @@ def smoke(c):
   c.model.hidden_size, c.model.intermediate_size, c.model.num_hidden_layers, c.model.head_dim = 32, 64, 1, 8
   c.train.total_steps, c.train.batch_size, c.train.checkpoint_every = 2, 4, 1
   c.cft.steps = 2
-  c.opd.steps, c.opd.prompts_per_step, c.opd.rollouts_per_prompt = 1, 2, 2
+  c.opd.steps, c.opd.prompts_per_step, c.opd.rollouts_per_prompt = 2, 2, 2
   for sec in (c.rl, c.teacher_rl):
     sec.steps, sec.prompts_per_step, sec.group_size = 1, 2, 2
+  for sec in (c.opd, c.rl, c.teacher_rl):  # the validation curves and keep_best run too
+    sec.valid_every, sec.valid_prompts, sec.keep_best = 1, 4, True
   c.eval.max_examples, c.eval.batch_size = 4, 4
   c.bench.max_examples, c.bench.thresholds = 4, (1.0, 0.5)

@@ -14,7 +14,9 @@ cache goes into the batch), and one optimizer step of `train.opd.opd_loss` follo
 is scored on the canvases `opd.student_context` names (train/opd.py: 'replay', the decode-time
 canvas, or 'prefix', P and o_<t). The train config is `config.train` with batch_size = rows,
 total_steps = `opd.steps` (0: `opd.epochs` passes over the prompts), a constant lr `opd.lr`
-without warmup. Resumes like the SFT stage.
+without warmup. Resumes like the SFT stage. With `opd.valid_every` > 0 a greedy validation curve
+(`validator`, as the RL stages') is written to `workdir/opd/valid_curve.json`, and `opd.keep_best`
+keeps its best point's model (step 0 = the student before distillation) instead of the last.
 Metrics per step: loss (= KL to the teacher), top1_agreement, reward mean/std, valid_rate,
 overlong_rate, mean_nfe, mean_response_tokens, replay_exact, rollout_time_s, update_time_s.
 """
@@ -240,6 +242,52 @@ def distillation(config, oc, task: dict, src: str, teacher_dir: str) -> Distilla
   return Distillation(mc, params, sample, batch, loss, lambda p, b: kl_jit(p, b, tparams), frozen)
 
 
+def validator(config, workdir: str, rc, policy_cfg, dc):
+  """`params -> {"valid_recall@1", "valid_valid_rate"}` for an on-policy stage whose section `rc` has
+  valid_every / valid_prompts (opd, rl, teacher_rl): greedy decoding (the rollouts' decode
+  config at temperature 0) of the first `rc.valid_prompts` validation users whose target is
+  listed; an invalid output falls back to the retriever's order, as in evaluation. None when
+  `rc.valid_every` is 0. Several processes: each decodes its share, the counts are summed."""
+  from dgr2_jax import multihost
+  from dgr2_jax.task import answer as answer_lib
+  from dgr2_jax.task import metrics as metrics_lib
+  from dgr2_jax.train import rollouts
+  if not int(rc.get("valid_every", 0)) or not int(rc.get("valid_prompts", 0)):
+    return None
+  vt = task_setup(config, workdir, "valid")
+  pc, pi = jax.process_count(), jax.process_index()
+  n = min(int(rc.valid_prompts), len(vt["prompts"]["prompt_ids"])) // pc * pc
+  prompts = {k: v[:n][pi::pc] for k, v in vt["prompts"].items()}
+  greedy = dataclasses.replace(dc, temperature=0.0)
+
+  def evaluate(params) -> dict:
+    roll = rollouts.sample(policy_cfg, params, prompts["prompt_ids"], prompts["prompt_len"], greedy,
+                           jax.random.PRNGKey(0), 1)
+    hits = valid = 0
+    for ids, fin, cand, r_d in zip(roll["output_ids"], roll["finished"], prompts["candidates"],
+                                   prompts["target_rank_in_candidates"]):
+      parsed = answer_lib.parse_response(vt["tokenizer"].decode(ids, skip_special_tokens=False),
+                                         [vt["sids"][int(i)] for i in cand]) if fin else None
+      ok = parsed is not None and parsed.valid
+      rank = metrics_lib.target_rank(parsed.positions, int(r_d) - 1) if ok else int(r_d)
+      hits += rank == 1
+      valid += ok
+    tot = np.sum(multihost.allgather("valid_curve", [int(hits), int(valid),
+                                                     len(prompts["prompt_ids"])]), 0)
+    return {"valid_recall@1": float(tot[0] / tot[2]), "valid_valid_rate": float(tot[1] / tot[2])}
+
+  return evaluate
+
+
+def write_valid_curve(tmp: str, state: dict, sc) -> None:
+  """`tmp/valid_curve.json`: the validation curve of `train_on_policy`'s state, the best step and
+  which model the stage kept (section `sc`'s keep_best); nothing without a curve."""
+  if state["valid_curve"]:
+    common.write_json_atomic(os.path.join(tmp, "valid_curve.json"),
+                             {"curve": state["valid_curve"], "best_step": state["best_step"],
+                              "kept": "best" if sc.get("keep_best", False) else "last"})
+
+
 def run(config, workdir: str) -> str:
   from dgr2_jax.model import checkpoint as model_ckpt
   from dgr2_jax.stages import pipeline
@@ -267,11 +315,17 @@ def run(config, workdir: str) -> str:
   pps, g = int(oc.prompts_per_step), int(oc.rollouts_per_prompt)
   steps = int(oc.steps) or max(1, int(oc.epochs) * n // pps)
   tconf = on_policy_config(config, rows=pps * g, steps=steps, lr=oc.lr, grad_accum=oc.grad_accum_steps)
+  dc = rollout_decode_config(config, task["tids"], d.model_config, oc.temperature)
+  student_cfg = d.model_config.as_block_diffusion(dc.block_size, dc.mask_token_id)
   state = rollouts.train_on_policy(tconf, train_dir, params=d.params, loss_fn=d.loss_fn, make_batch=d.make_batch,
                                    prompt_iter=prompt_iterator(task["prompts"], pps, int(config.seed)),
-                                   desc=STAGE, frozen=d.frozen)
-  with common.atomic_dir(out, chash, extra={"steps": steps, "source": src, "teacher": teacher_dir or "self_tau1",
-                                            "examples": task["counts"]}) as tmp:
+                                   desc=STAGE, frozen=d.frozen,
+                                   validate=validator(config, workdir, oc, student_cfg, dc),
+                                   validate_every=int(oc.valid_every), keep_best=bool(oc.keep_best))
+  extra = {"steps": steps, "source": src, "teacher": teacher_dir or "self_tau1", "examples": task["counts"],
+           "best_step": state["best_step"]}
+  with common.atomic_dir(out, chash, extra=extra) as tmp:
+    write_valid_curve(tmp, state, oc)
     model_ckpt.save_model_dir(os.path.join(tmp, "model"), d.model_config, state["params"],
                               tokenizer_src=task["tok_dir"])
     if jax.process_index() == 0:

@@ -18,7 +18,6 @@ reward mean/std, valid_rate, overlong_rate, groups_dropped, mean_nfe, rollout/up
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 
@@ -101,52 +100,13 @@ def train_grpo(config, workdir: str, stage: str, rc, src: str, decode_overrides:
                               clip_high=float(rc.clip_eps_high), kl_coef=kl_coef, **dist)
   state = rollouts.train_on_policy(tconf, train_dir, params=params, loss_fn=loss_fn, make_batch=make_batch,
                                    prompt_iter=opd_stage.prompt_iterator(task["prompts"], pps, int(config.seed)),
-                                   desc=stage, validate=validator(config, workdir, rc, policy_cfg, dc),
+                                   desc=stage, validate=opd_stage.validator(config, workdir, rc, policy_cfg, dc),
                                    validate_every=int(rc.get("valid_every", 0)),
                                    keep_best=bool(rc.get("keep_best", False)))
   extra = {"steps": steps, "source": src, "examples": task["counts"], "best_step": state["best_step"]}
   with common.atomic_dir(out, chash, extra=extra) as tmp:
-    if state["valid_curve"]:
-      common.write_json_atomic(os.path.join(tmp, "valid_curve.json"),
-                               {"curve": state["valid_curve"], "best_step": state["best_step"],
-                                "kept": "best" if rc.get("keep_best", False) else "last"})
+    opd_stage.write_valid_curve(tmp, state, rc)
     model_ckpt.save_model_dir(os.path.join(tmp, "model"), mc, state["params"], tokenizer_src=task["tok_dir"])
     if jax.process_index() == 0:
       os.replace(train_dir, os.path.join(tmp, "train"))
   return out
-
-
-def validator(config, workdir: str, rc, policy_cfg, dc):
-  """`params -> {"valid_recall@1", "valid_valid_rate"}`: greedy decoding (the rollouts' decode
-  config at temperature 0) of the first `rc.valid_prompts` validation users whose target is
-  listed; an invalid output falls back to the retriever's order, as in evaluation. None when
-  `rc.valid_every` is 0. Several processes: each decodes its share, the counts are summed."""
-  from dgr2_jax import multihost
-  from dgr2_jax.task import answer as answer_lib
-  from dgr2_jax.task import metrics as metrics_lib
-  from dgr2_jax.train import rollouts
-  if not int(rc.get("valid_every", 0)) or not int(rc.get("valid_prompts", 0)):
-    return None
-  vt = opd_stage.task_setup(config, workdir, "valid")
-  pc, pi = jax.process_count(), jax.process_index()
-  n = min(int(rc.valid_prompts), len(vt["prompts"]["prompt_ids"])) // pc * pc
-  prompts = {k: v[:n][pi::pc] for k, v in vt["prompts"].items()}
-  greedy = dataclasses.replace(dc, temperature=0.0)
-
-  def evaluate(params) -> dict:
-    roll = rollouts.sample(policy_cfg, params, prompts["prompt_ids"], prompts["prompt_len"], greedy,
-                           jax.random.PRNGKey(0), 1)
-    hits = valid = 0
-    for ids, fin, cand, r_d in zip(roll["output_ids"], roll["finished"], prompts["candidates"],
-                                   prompts["target_rank_in_candidates"]):
-      parsed = answer_lib.parse_response(vt["tokenizer"].decode(ids, skip_special_tokens=False),
-                                         [vt["sids"][int(i)] for i in cand]) if fin else None
-      ok = parsed is not None and parsed.valid
-      rank = metrics_lib.target_rank(parsed.positions, int(r_d) - 1) if ok else int(r_d)
-      hits += rank == 1
-      valid += ok
-    tot = np.sum(multihost.allgather("valid_curve", [int(hits), int(valid),
-                                                     len(prompts["prompt_ids"])]), 0)
-    return {"valid_recall@1": float(tot[0] / tot[2]), "valid_valid_rate": float(tot[1] / tot[2])}
-
-  return evaluate

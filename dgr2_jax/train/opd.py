@@ -101,6 +101,11 @@ def opd_config() -> ml_collections.ConfigDict:
   # (inexact, reported as replay_exact). 0 or block_size = always exact. 8 is exact under the
   # default decode.steps_per_block = 8.
   c.replay_max_segments = 8
+  # Validation curve and keep_best: as grpo.rl_config() explains (the step-0 point is the student
+  # before distillation, so keep_best also keeps it when distillation does not help on validation).
+  c.valid_every = 0
+  c.valid_prompts = 512
+  c.keep_best = False
   return c
 
 
