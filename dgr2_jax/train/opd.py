@@ -101,11 +101,12 @@ def opd_config() -> ml_collections.ConfigDict:
   # (inexact, reported as replay_exact). 0 or block_size = always exact. 8 is exact under the
   # default decode.steps_per_block = 8.
   c.replay_max_segments = 8
-  # Validation curve and keep_best: as grpo.rl_config() explains (the step-0 point is the student
-  # before distillation, so keep_best also keeps it when distillation does not help on validation).
+  # Validation curve: greedy Recall@1 on the first `valid_prompts` validation users before the
+  # first step (the student before distillation) and every `valid_every` steps (0 = none), in
+  # workdir/opd/valid_curve.json.
   c.valid_every = 0
-  c.valid_prompts = 512
-  c.keep_best = False
+  c.valid_prompts = 512        # validation users decoded per point of the curve
+  c.keep_best = False          # the curve's best point (Recall@1, then valid rate), not the last step
   return c
 
 
