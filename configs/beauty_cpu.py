@@ -1,4 +1,4 @@
-"""Real Amazon Beauty on CPU with a tiny Qwen3: the whole recipe and its accuracy ladder (~2 h 50 min, 2 cores).
+"""Real Amazon Beauty on CPU with a tiny Qwen3: the whole recipe and its accuracy ladder (~3 h, 2 cores).
 
   python -m dgr2_jax.main --config=configs/beauty_cpu.py --config.data.dir=PATH/amazon_beauty \
       --workdir=/tmp/dgr2_beauty_cpu
