@@ -149,6 +149,8 @@ class Distillation:
   loss_fn: Callable
   token_kl_fn: Callable
   frozen: Any = None  # the teacher's params when opd.teacher_cache='none' (loss_fn's 4th argument)
+  student_config: Any = None  # the block-diffusion config the rollouts decode with
+  decode_config: Any = None   # the rollouts' decode config (temperature oc.temperature)
 
   def make_batch(self, params, prompts, key):
     roll, scored = self.sample(params, prompts, key)
@@ -239,7 +241,8 @@ def distillation(config, oc, task: dict, src: str, teacher_dir: str) -> Distilla
   frozen = tparams if mode == "none" else None
   kl_jit = jax.jit(lambda p, b, t: opd.token_kl(student_cfg, p, b, teacher=(tcfg, t) if mode == "none" else None,
                                                 **kw))
-  return Distillation(mc, params, sample, batch, loss, lambda p, b: kl_jit(p, b, tparams), frozen)
+  return Distillation(mc, params, sample, batch, loss, lambda p, b: kl_jit(p, b, tparams), frozen,
+                      student_config=student_cfg, decode_config=dc)
 
 
 def validator(config, workdir: str, rc, policy_cfg, dc):
@@ -315,12 +318,10 @@ def run(config, workdir: str) -> str:
   pps, g = int(oc.prompts_per_step), int(oc.rollouts_per_prompt)
   steps = int(oc.steps) or max(1, int(oc.epochs) * n // pps)
   tconf = on_policy_config(config, rows=pps * g, steps=steps, lr=oc.lr, grad_accum=oc.grad_accum_steps)
-  dc = rollout_decode_config(config, task["tids"], d.model_config, oc.temperature)
-  student_cfg = d.model_config.as_block_diffusion(dc.block_size, dc.mask_token_id)
   state = rollouts.train_on_policy(tconf, train_dir, params=d.params, loss_fn=d.loss_fn, make_batch=d.make_batch,
                                    prompt_iter=prompt_iterator(task["prompts"], pps, int(config.seed)),
                                    desc=STAGE, frozen=d.frozen,
-                                   validate=validator(config, workdir, oc, student_cfg, dc),
+                                   validate=validator(config, workdir, oc, d.student_config, d.decode_config),
                                    validate_every=int(oc.valid_every), keep_best=bool(oc.keep_best))
   extra = {"steps": steps, "source": src, "teacher": teacher_dir or "self_tau1", "examples": task["counts"],
            "best_step": state["best_step"]}
