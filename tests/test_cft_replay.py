@@ -82,6 +82,35 @@ def test_cft_b1_full_mask_equals_sft(tiny_lm):
   assert abs(float(loss4) - float(sft)) > 1e-3
 
 
+def test_cft_choice_weight_equals_weighted_sft(tiny_lm):
+  """`choice_weight` re-weights exactly the reasoning tokens after a ' #' token: at B = 1, t = 1 the
+  loss is the SFT token loss weighted by a plain loop's weights."""
+  cfg, params = tiny_lm
+  batch = _batch(np.random.RandomState(2))
+  hash_id = 40
+  batch["response_ids"][0, [2, 6]] = hash_id      # row 0: two choices in the reasoning (tokens 3, 7)
+  batch["response_ids"][1, 8] = hash_id           # row 1: after the reasoning (an answer token): not one
+  batch["response_ids"][2, 10] = hash_id          # row 2: its last token (nothing after it)
+  nll, _ = losses.token_nll(cfg, params, losses.response_hidden(cfg, params, batch), jnp.asarray(batch["response_ids"]))
+  nll = np.asarray(nll)
+  w = np.zeros_like(nll)
+  for i in range(3):
+    for j in range(batch["response_ids"].shape[1]):
+      if not batch["response_mask"][i, j]:
+        continue
+      chosen = j > 0 and batch["response_ids"][i, j - 1] == hash_id and batch["reasoning_mask"][i, j]
+      w[i, j] = 5.0 if chosen else (0.5 if batch["reasoning_mask"][i, j] else 2.0)
+  assert (w == 5.0).sum() == 2
+  ref = (w * nll).sum() / w.sum()
+  kw = dict(block_size=1, mask_id=63, fixed_t=1.0, weighting="none", reasoning_weight=0.5, answer_weight=2.0)
+  loss, _ = cft.cft_loss(cfg, params, batch, jax.random.PRNGKey(0), choice_weight=5.0, choice_after_id=hash_id, **kw)
+  np.testing.assert_allclose(float(loss), ref, rtol=1e-5)
+  plain, _ = cft.cft_loss(cfg, params, batch, jax.random.PRNGKey(0), **kw)
+  same, _ = cft.cft_loss(cfg, params, batch, jax.random.PRNGKey(0), choice_weight=0.5, choice_after_id=hash_id, **kw)
+  np.testing.assert_allclose(float(same), float(plain), rtol=1e-6)
+  assert abs(float(loss) - float(plain)) > 1e-4
+
+
 @pytest.mark.parametrize("bs,taus", [(1, (1.0,)), (4, (1.0, 0.5, 0.2)), (32, (0.9, 0.3))])
 def test_replay_logprobs_equal_decode_logprobs(tiny_lm, bs, taus):
   cfg, params = tiny_lm

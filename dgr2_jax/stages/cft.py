@@ -35,6 +35,15 @@ def stage_train_config(config, workdir_stage_cfg, n_examples: int):
   return config
 
 
+def choice_after_id(tokenizer) -> int:
+  """The one token of ' #' that precedes a candidate number in the reasoning (`cft.choice_weight`)."""
+  from dgr2_jax.task import prompts as prompts_lib
+  ids = prompts_lib.encode(tokenizer, " #")
+  if len(ids) != 1:
+    raise ValueError(f"cft.choice_weight needs ' #' to be one token; this tokenizer gives {ids}")
+  return ids[0]
+
+
 def run(config, workdir: str) -> str:
   import jax
   from dgr2_jax.model import checkpoint as model_ckpt
@@ -80,6 +89,8 @@ def run(config, workdir: str) -> str:
   kw = dict(block_size=bs, mask_id=int(mask_id), eps=float(cc.eps), weighting=str(cc.loss_weighting),
             reasoning_weight=float(cc.reasoning_weight), answer_weight=float(cc.answer_weight),
             complementary=bool(cc.complementary_mask))
+  if float(cc.get("choice_weight", 1.0)) != float(cc.reasoning_weight):
+    kw.update(choice_weight=float(cc.choice_weight), choice_after_id=choice_after_id(tokenizer))
 
   def loss_fn(p, batch, rng):
     return cft.cft_loss(mc, p, batch, rng, **kw)

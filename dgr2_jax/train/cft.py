@@ -11,6 +11,11 @@ Loss, with w = span weight (reasoning / answer) on real response tokens:
   weighting "1/t" (default, the masked-diffusion ELBO):  sum_masked w * CE / t  /  sum_all w
   weighting "none":                                      sum_masked w * CE      /  sum_masked w
 With B = 1 and t = 1 both equal the AR SFT loss (tested).
+`choice_weight` (with `choice_after_id`, the token id of ' #'): the weight of the reasoning's
+candidate numbers, the token after each ' #' in `<think>`..`</think>` (`... next #4. So #4 goes
+first`), in place of `reasoning_weight`. Why: the number that picks the first candidate is decided
+from the prompt only when every copy of it in the block is masked; at low t another copy is
+visible and the loss is a copy. Up-weighting it trains the decision itself more (1.0 = no change).
 `complementary=True` also trains the complementary mask of every row (each token trained once per
 pair), doubling the batch.
 """
@@ -47,14 +52,26 @@ def corrupt(rng, response, response_mask, block_size: int, mask_id: int, eps: fl
   return noisy, masked, t
 
 
-def span_weights(batch, reasoning_weight: float, answer_weight: float):
-  return (batch["reasoning_mask"] * reasoning_weight + batch["answer_mask"] * answer_weight
-          ).astype(jnp.float32) * batch["response_mask"]
+def choice_mask(batch, choice_after_id: int):
+  """[b,R] bool: reasoning tokens right after a `choice_after_id` token (the candidate numbers)."""
+  resp = batch["response_ids"]
+  prev = jnp.concatenate([jnp.full_like(resp[:, :1], -1), resp[:, :-1]], 1)
+  return (prev == choice_after_id) & batch["reasoning_mask"].astype(bool)
+
+
+def span_weights(batch, reasoning_weight: float, answer_weight: float, choice_weight: float = 1.0,
+                 choice_after_id: int = -1):
+  w = (batch["reasoning_mask"] * reasoning_weight + batch["answer_mask"] * answer_weight
+       ).astype(jnp.float32)
+  if choice_after_id >= 0 and choice_weight != reasoning_weight:
+    w = jnp.where(choice_mask(batch, choice_after_id), choice_weight, w)
+  return w * batch["response_mask"]
 
 
 def cft_loss(model_config, params, batch, rng, *, block_size: int, mask_id: int, eps: float = 1e-3,
              weighting: str = "1/t", reasoning_weight: float = 1.0, answer_weight: float = 1.0,
-             complementary: bool = False, fixed_t: float | None = None):
+             choice_weight: float = 1.0, choice_after_id: int = -1, complementary: bool = False,
+             fixed_t: float | None = None):
   """-> (loss, metrics). `batch` is the task pipeline's dict (left-padded prompt, response spans)."""
   if weighting not in WEIGHTINGS:
     raise ValueError(f"cft.loss_weighting must be one of {WEIGHTINGS}, got {weighting!r}")
@@ -64,7 +81,7 @@ def cft_loss(model_config, params, batch, rng, *, block_size: int, mask_id: int,
     raise ValueError(f"task.response_len ({r}) must be a multiple of the block size ({block_size})")
   noisy, masked, t = corrupt(rng, resp, batch["response_mask"], block_size, mask_id, eps, fixed_t)
   prompt, plen, rmask = batch["prompt_ids"], batch["prompt_len"], batch["response_mask"]
-  w = span_weights(batch, reasoning_weight, answer_weight)
+  w = span_weights(batch, reasoning_weight, answer_weight, choice_weight, choice_after_id)
   if complementary:
     real = rmask.astype(bool)
     noisy = jnp.concatenate([noisy, jnp.where(~masked & real, mask_id, resp)], 0)
@@ -105,6 +122,8 @@ def validate(config, runs: set) -> None:
     return
   checks.positive_int(c, "cft", "block_size")
   checks.one_of(c, "cft", "loss_weighting", WEIGHTINGS)
+  if float(c.cft.get("choice_weight", 1.0)) < 0:
+    checks.fail("cft.choice_weight", f"must be >= 0, got {c.cft.choice_weight}")
   if not 0.0 < float(c.cft.eps) < 1.0:
     checks.fail("cft.eps", f"must be in (0, 1), got {c.cft.eps}")
   if "task" in c and c.task.response_len % c.cft.block_size:
