@@ -121,8 +121,8 @@ def cft_config() -> ml_collections.ConfigDict:
   c.complementary_mask = False  # also train on each mask's complement (two views per example)
   c.reasoning_weight = 1.0  # loss weight of the reasoning tokens
   c.answer_weight = 1.0  # loss weight of the answer tokens
-  # Loss weight of the reasoning's candidate numbers (the token after each ' #': `next #4. So #4`),
-  # in place of reasoning_weight: the first pick is decided there (dgr2_jax/train/cft.py).
+  # Multiplies reasoning_weight on the reasoning's candidate numbers (the token after each ' #':
+  # `next #4. So #4`): the first pick is decided there (dgr2_jax/train/cft.py). 1.0 = no change.
   c.choice_weight = 1.0
   return c
 

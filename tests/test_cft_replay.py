@@ -83,8 +83,8 @@ def test_cft_b1_full_mask_equals_sft(tiny_lm):
 
 
 def test_cft_choice_weight_equals_weighted_sft(tiny_lm):
-  """`choice_weight` re-weights exactly the reasoning tokens after a ' #' token: at B = 1, t = 1 the
-  loss is the SFT token loss weighted by a plain loop's weights."""
+  """`choice_weight` multiplies the weight of exactly the reasoning tokens after a ' #' token: at
+  B = 1, t = 1 the loss is the SFT token loss weighted by a plain loop's weights."""
   cfg, params = tiny_lm
   batch = _batch(np.random.RandomState(2))
   hash_id = 40
@@ -99,14 +99,14 @@ def test_cft_choice_weight_equals_weighted_sft(tiny_lm):
       if not batch["response_mask"][i, j]:
         continue
       chosen = j > 0 and batch["response_ids"][i, j - 1] == hash_id and batch["reasoning_mask"][i, j]
-      w[i, j] = 5.0 if chosen else (0.5 if batch["reasoning_mask"][i, j] else 2.0)
-  assert (w == 5.0).sum() == 2
+      w[i, j] = 0.5 * 5.0 if chosen else (0.5 if batch["reasoning_mask"][i, j] else 2.0)
+  assert (w == 2.5).sum() == 2
   ref = (w * nll).sum() / w.sum()
   kw = dict(block_size=1, mask_id=63, fixed_t=1.0, weighting="none", reasoning_weight=0.5, answer_weight=2.0)
   loss, _ = cft.cft_loss(cfg, params, batch, jax.random.PRNGKey(0), choice_weight=5.0, choice_after_id=hash_id, **kw)
   np.testing.assert_allclose(float(loss), ref, rtol=1e-5)
   plain, _ = cft.cft_loss(cfg, params, batch, jax.random.PRNGKey(0), **kw)
-  same, _ = cft.cft_loss(cfg, params, batch, jax.random.PRNGKey(0), choice_weight=0.5, choice_after_id=hash_id, **kw)
+  same, _ = cft.cft_loss(cfg, params, batch, jax.random.PRNGKey(0), choice_weight=1.0, choice_after_id=hash_id, **kw)
   np.testing.assert_allclose(float(same), float(plain), rtol=1e-6)
   assert abs(float(loss) - float(plain)) > 1e-4
 

@@ -89,7 +89,7 @@ def run(config, workdir: str) -> str:
   kw = dict(block_size=bs, mask_id=int(mask_id), eps=float(cc.eps), weighting=str(cc.loss_weighting),
             reasoning_weight=float(cc.reasoning_weight), answer_weight=float(cc.answer_weight),
             complementary=bool(cc.complementary_mask))
-  if float(cc.get("choice_weight", 1.0)) != float(cc.reasoning_weight):
+  if float(cc.get("choice_weight", 1.0)) != 1.0:
     kw.update(choice_weight=float(cc.choice_weight), choice_after_id=choice_after_id(tokenizer))
 
   def loss_fn(p, batch, rng):

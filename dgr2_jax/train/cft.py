@@ -11,9 +11,9 @@ Loss, with w = span weight (reasoning / answer) on real response tokens:
   weighting "1/t" (default, the masked-diffusion ELBO):  sum_masked w * CE / t  /  sum_all w
   weighting "none":                                      sum_masked w * CE      /  sum_masked w
 With B = 1 and t = 1 both equal the AR SFT loss (tested).
-`choice_weight` (with `choice_after_id`, the token id of ' #'): the weight of the reasoning's
-candidate numbers, the token after each ' #' in `<think>`..`</think>` (`... next #4. So #4 goes
-first`), in place of `reasoning_weight`. Why: the number that picks the first candidate is decided
+`choice_weight` (with `choice_after_id`, the token id of ' #'): multiplies the weight of the
+reasoning's candidate numbers, the token after each ' #' in `<think>`..`</think>` (`... next #4.
+So #4 goes first`), on top of `reasoning_weight`. Why: the number that picks the first candidate is decided
 from the prompt only when every copy of it in the block is masked; at low t another copy is
 visible and the loss is a copy. Up-weighting it trains the decision itself more (1.0 = no change).
 `complementary=True` also trains the complementary mask of every row (each token trained once per
@@ -63,8 +63,8 @@ def span_weights(batch, reasoning_weight: float, answer_weight: float, choice_we
                  choice_after_id: int = -1):
   w = (batch["reasoning_mask"] * reasoning_weight + batch["answer_mask"] * answer_weight
        ).astype(jnp.float32)
-  if choice_after_id >= 0 and choice_weight != reasoning_weight:
-    w = jnp.where(choice_mask(batch, choice_after_id), choice_weight, w)
+  if choice_after_id >= 0 and choice_weight != 1.0:
+    w = jnp.where(choice_mask(batch, choice_after_id), w * choice_weight, w)
   return w * batch["response_mask"]
 
 
