@@ -120,3 +120,4 @@ def smoke(c):
     sec.valid_every, sec.valid_prompts, sec.keep_best = 1, 4, True
   c.eval.max_examples, c.eval.batch_size = 4, 4
   c.bench.max_examples, c.bench.thresholds = 4, (1.0, 0.5)
+  c.bench.timing_rounds, c.bench.timing_batches = 1, 1  # the timing pass runs; its seconds mean nothing here

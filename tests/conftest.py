@@ -5,6 +5,21 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# One persistent XLA compilation cache for the session and every process it starts (they inherit
+# the environment): dozens of `python -m dgr2_jax.main` subprocesses compile the same small
+# programs, and compiling, not running, is what they spend their time on. The cache is keyed on the
+# program, its compile options and the JAX/XLA versions, so a hit runs the very executable a
+# compile would produce. .ci/run points it at a directory the fresh-virtualenv run filled;
+# otherwise a temporary one, removed at exit.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import atexit
+  import shutil
+  import tempfile
+  _cache = tempfile.mkdtemp(prefix="dgr2_jax_test_cache_")
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
