@@ -8,8 +8,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # One persistent XLA compilation cache for the session and every process it starts (they inherit
 # the environment): dozens of `python -m dgr2_jax.main` subprocesses compile the same small
 # programs, and compiling, not running, is what they spend their time on. The cache is keyed on the
-# program, its compile options and the JAX/XLA versions, so a hit runs the very executable a
-# compile would produce. .ci/run points it at a directory the fresh-virtualenv run filled;
+# program, its compile options, the devices, XLA_FLAGS and the JAX/XLA versions, so a hit runs the
+# very executable a compile would produce. .ci/run points it at a directory the fresh-virtualenv run filled;
 # otherwise a temporary one, removed at exit.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   import atexit

@@ -43,8 +43,8 @@ def runs(tmp_path_factory):
     shutil.copytree(d / "2x2" / s, wd / s)
   # Up to the last model stage: eval and bench read the model directories, not train.mesh, and the
   # 2 x 2 run has decoded them already.
-  res = mph.check(mph.launch(2, 2, SMOKE + [f"--workdir={wd}", "--config.train.mesh.fsdp=2", "--config.stage=rl"],
-                             delays=(0, 5), timeout=1800))
+  fsdp = [f"--workdir={wd}", "--config.train.mesh.fsdp=2", "--config.stage=rl"]
+  res = mph.check(mph.launch(2, 2, SMOKE + fsdp, delays=(0, 5), timeout=1800))
   wd.rename(d / "fsdp")
   out["fsdp"] = (d / "fsdp", res)
   return out

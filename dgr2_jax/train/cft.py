@@ -13,8 +13,8 @@ Loss, with w = span weight (reasoning / answer) on real response tokens:
 With B = 1 and t = 1 both equal the AR SFT loss (tested).
 `choice_weight` (with `choice_after_id`, the token id of ' #'): multiplies the weight of the
 reasoning's candidate numbers, the token after each ' #' in `<think>`..`</think>` (`... next #4.
-So #4 goes first`), on top of `reasoning_weight`. Why: the number that picks the first candidate is decided
-from the prompt only when every copy of it in the block is masked; at low t another copy is
+So #4 goes first`), on top of `reasoning_weight`. Why: the number that picks the first candidate
+is decided from the prompt only when every copy of it in the block is masked; at low t another copy is
 visible and the loss is a copy. Up-weighting it trains the decision itself more (1.0 = no change).
 `complementary=True` also trains the complementary mask of every row (each token trained once per
 pair), doubling the batch.
