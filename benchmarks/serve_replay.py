@@ -7,7 +7,7 @@ Starts `python -m dgr2_jax.serve` on the workdir (127.0.0.1, a free port, `--slo
 (`--modes`), sends the first `--replay` rows of the matching eval `predictions.jsonl` as /v1/rerank
 requests, all at once (concurrent clients: they share slots in whatever order the server admits
 them). The matching eval directory of a mode is its accuracy-ladder row (stages/pipeline.py
-`ladder_methods`): `threshold` -> the final diffusion model's row (decoded at the config's tau),
+`ladder_methods`): `threshold` -> the final diffusion model's row (asked for at its decode tau),
 `ar` -> the AR teacher's row ('ar'), `speculative` -> 'speculative'. The expected ranking of a row
 is its parsed ranking when valid, else the retriever's order (the server's fallback). Prints, per
 mode, how many answers have the expected ranking, and how many speculative answers equal the ar
@@ -75,6 +75,13 @@ def expected(pred_path: str, n: int, imps: list) -> tuple[list, list]:
   return bodies, want
 
 
+def row_threshold(eval_dir: str) -> float:
+  """The tau an eval row was decoded at (its metrics.json): the ladder decodes its diffusion rows at
+  `pipeline.ladder_threshold`, which the server is asked for explicitly."""
+  with open(os.path.join(eval_dir, "metrics.json")) as f:
+    return float(json.load(f)["decode"]["threshold"])
+
+
 async def _send_all(url: str, bodies: list, timeout_s: float) -> list:
   import httpx
   limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
@@ -119,6 +126,8 @@ def main(argv=None):
   try:
     for m in modes:
       bodies, want = expected(os.path.join(dirs[m], "predictions.jsonl"), args.replay, imps)
+      if m == "threshold":
+        bodies = [dict(b, threshold=row_threshold(dirs[m])) for b in bodies]
       t0 = time.monotonic()
       got = asyncio.run(_send_all(url, [dict(b, mode=m) for b in bodies], args.timeout_s))
       dt = time.monotonic() - t0

@@ -149,6 +149,14 @@ BAD = [  # (body, status, field named in the one-line error, metrics reason)
 ]
 
 
+def _ladder_tau(workdir, method):
+  """The tau a ladder row was decoded at (its metrics.json)."""
+  import json
+  import os
+  with open(os.path.join(workdir, "eval", method, "metrics.json")) as f:
+    return json.load(f)["decode"]["threshold"]
+
+
 def test_server_over_http(smoke_workdir):
   """The server on the toy pipeline's workdir: every mode answers the eval stage's test
   impressions as evaluation did (speculative = ar), bad requests interleaved with good ones get
@@ -167,19 +175,22 @@ def test_server_over_http(smoke_workdir):
                                    "--steps_per_round=4", "--max_queue=2"], client.free_port(), env=env, cwd=repo)
   try:
     imps = client.impressions(smoke_workdir, limit=4)
-    expect = {}
+    expect, extra = {}, {}
     for mode, method in (("threshold", "cft_opd_rl"), ("ar", "ar"), ("speculative", "speculative")):
       rows = [json.loads(l) for l in open(os.path.join(smoke_workdir, "eval", method, "predictions.jsonl"))]
       assert len(rows) == len(imps)
       expect[mode] = [(r["ranking_items"] or imp["candidates"], answer_lib.split_response(r["output"])[0] or "",
                        r["nfe"]) for r, imp in zip(rows, imps)]
+    # The ladder decodes its diffusion rows at pipeline.ladder_threshold: ask for that tau.
+    extra["threshold"] = dict(threshold=_ladder_tau(smoke_workdir, "cft_opd_rl"))
     jobs = [(mode, i) for i in range(len(imps)) for mode in expect]
     bad = iter(BAD * 2)
 
     def good(job):   # retries on 429 (queue of 2 per mode, 4 concurrent requests per mode)
       mode, i = job
       for _ in range(200):
-        r = httpx.post(url + "/v1/rerank", json=dict(imps[i], mode=mode, timeout_s=300), timeout=300)
+        r = httpx.post(url + "/v1/rerank", json=dict(imps[i], mode=mode, timeout_s=300, **extra.get(mode, {})),
+                       timeout=300)
         if r.status_code != 429:
           return r, 0
         assert r.headers["retry-after"] == "1"
@@ -276,7 +287,9 @@ def test_ray_serve_two_replicas(smoke_workdir):
     rows = [json.loads(l) for l in open(os.path.join(smoke_workdir, "eval", "cft_opd_rl", "predictions.jsonl"))]
     jobs = list(range(len(imps))) * 4
     with concurrent.futures.ThreadPoolExecutor(16) as ex:
-      res = list(ex.map(lambda i: httpx.post(url + "/v1/rerank", json=imps[i], timeout=300), jobs))
+      tau = _ladder_tau(smoke_workdir, "cft_opd_rl")
+      res = list(ex.map(lambda i: httpx.post(url + "/v1/rerank", json=dict(imps[i], threshold=tau), timeout=300),
+                        jobs))
     pids = set()
     for i, r in zip(jobs, res):
       assert r.status_code == 200, r.text
@@ -310,3 +323,5 @@ def test_serve_replay_matches_modes_to_ladder_rows(tmp_path):
   bodies, want = serve_replay.expected(str(path), 5, imps=[])
   assert bodies == [dict(history=[1], candidates=[3, 4, 5]), dict(history=[], candidates=[6, 7, 8])]
   assert want == [[5, 3, 4], [6, 7, 8]]
+  (tmp_path / "metrics.json").write_text(json.dumps({"decode": {"threshold": 1.0, "block_size": 32}}))
+  assert serve_replay.row_threshold(str(tmp_path)) == 1.0

@@ -8,7 +8,8 @@ one start from the previous model that exists (`previous_model_stage`).
 
 The pipeline's `eval` step is the accuracy ladder: the eval stage once per model in the chain,
 AR decoding (block 1) for the AR models (`ar_sft` and `ar` when `teacher_rl` runs, else `ar`) and
-`config.decode` for the diffusion models, plus (`pipeline.speculative_row`) the final diffusion
+`config.decode` for the diffusion models (at tau `pipeline.ladder_threshold` when it is set; 1.0 is
+the paper's quality-preserving protocol), plus (`pipeline.speculative_row`) the final diffusion
 model drafting for the AR teacher (`speculative`, whose metrics equal `ar`'s exactly), into
 `workdir/eval/<method>/`, summarised in `workdir/results/accuracy.{md,json}` (with the pre-rank
 floor of the same examples and each row's diagnostics from its predictions, task/diagnostics.py:
@@ -99,6 +100,9 @@ def validate(config, runs: set) -> None:
       checks.fail("pipeline.stages", f"{s!r} is not a pipeline stage; known: {list(ORDER)}")
   if list(stages) != sorted(stages, key=ORDER.index) or len(set(stages)) != len(stages):
     checks.fail("pipeline.stages", f"must be a subsequence of {list(ORDER)}, got {list(stages)}")
+  tau = config.pipeline.get("ladder_threshold", 0.0)
+  if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 <= tau <= 1.0:
+    checks.fail("pipeline.ladder_threshold", f"must be 0 (decode.threshold) or in (0, 1], got {tau!r}")
 
 
 # What a stage run alone reads from the workdir besides its own section's paths: eval and bench
@@ -157,9 +161,11 @@ def method_config(config, workdir: str, method: str, stage: str):
       c.decode.block_size = 1
       c.decode.threshold = 1.0
       c.decode.mode = "threshold"
-    if method == "speculative":
+    elif method == "speculative":
       c.decode.mode = "speculative"
       c.decode.verifier_dir = c.decode.get("verifier_dir", "") or teacher_model_dir(config, workdir)
+    elif c.get("pipeline", {}).get("ladder_threshold", 0.0):   # a block-diffusion row at the ladder's tau
+      c.decode.threshold = float(c.pipeline.ladder_threshold)
   return c
 
 
