@@ -1,13 +1,12 @@
 """Several processes run the whole pipeline as one process does (Tier 2).
 
-`configs/demo.py:smoke` end to end through `launch/local_multi_process.sh` as 1 process x 4 CPU
-devices and as 2 processes x 2 devices: both exit 0 and leave no temporary directory, every model
-directory holds its weights, every stage has the same config hash, the data / SID / retriever /
-traces files are identical, the predictions equal and the accuracy rows equal apart from their
-timing fields, and each line process 0 prints appears as often as in the single process's output.
-A third run, 2 x 2 with `train.mesh.fsdp=2` (parameters split across the processes) and process 1
-started 5 s late, reuses the host-side stages of the 2 x 2 run and must finish its model stages
-(`--config.stage=rl`) with weights in every model directory and no temporary directory left.
+`configs/demo.py:smoke` end to end through `launch/local_multi_process.sh` with
+`train.mesh.fsdp=2` (parameters split over two devices, so across the processes when there are
+two) as 1 process x 4 CPU devices and as 2 processes x 2 devices (process 1 started 5 s late):
+both exit 0 and leave no temporary directory, every model directory holds its weights, every
+stage has the same config hash, the data / SID / retriever / traces files are identical, the
+predictions equal and the accuracy rows equal apart from their timing fields, and each line
+process 0 prints appears as often as in the single process's output.
 """
 
 import collections
@@ -24,6 +23,9 @@ import multiprocess_harness as mph
 SMOKE = ["python", "-m", "dgr2_jax.main", "--config=configs/demo.py:smoke"]
 HOST_STAGES = ("data", "sids", "retriever", "traces")
 MODEL_STAGES = ("sft", "teacher_rl", "convert", "cft", "opd", "rl")
+# Both runs split the parameters over 2 of the 4 devices (data 2 x fsdp 2): as 2 processes, each
+# process holds half of every parameter.
+FSDP = ["--config.train.mesh.fsdp=2"]
 # Fields of a record that measure time, not results.
 TIMING = re.compile(r"^(time|written|seconds|\w*_seconds|\w*_time_s|\w*tokens_per_s|\w*steps_per_sec|speedup)$")
 
@@ -34,19 +36,10 @@ def runs(tmp_path_factory):
   since stage hashes and records name the model directories they read."""
   d = tmp_path_factory.mktemp("mp_pipeline")
   wd, out = d / "wd", {}
-  for name, n, k in (("1x4", 1, 4), ("2x2", 2, 2)):
-    res = mph.check(mph.launch(n, k, SMOKE + [f"--workdir={wd}"], timeout=1800))
+  for name, n, k, delays in (("1x4", 1, 4, ()), ("2x2", 2, 2, (0, 5))):
+    res = mph.check(mph.launch(n, k, SMOKE + [f"--workdir={wd}"] + FSDP, delays=delays, timeout=1800))
     wd.rename(d / name)
     out[name] = (d / name, res)
-  wd.mkdir()
-  for s in HOST_STAGES:  # fresh there: the run starts at sft
-    shutil.copytree(d / "2x2" / s, wd / s)
-  # Up to the last model stage: eval and bench read the model directories, not train.mesh, and the
-  # 2 x 2 run has decoded them already.
-  fsdp = [f"--workdir={wd}", "--config.train.mesh.fsdp=2", "--config.stage=rl"]
-  res = mph.check(mph.launch(2, 2, SMOKE + fsdp, delays=(0, 5), timeout=1800))
-  wd.rename(d / "fsdp")
-  out["fsdp"] = (d / "fsdp", res)
   return out
 
 
@@ -101,10 +94,11 @@ def _host_diff(one, two, stages) -> list:
   return diff
 
 
-def test_real_data_task_format_is_process_count_independent(tmp_path):
-  """The host stages with the real-Beauty preset's task format (next-purchase marks, relation
+def test_real_data_task_format_is_process_count_independent(runs, tmp_path):
+  """The traces stage with the real-Beauty preset's task format (next-purchase marks, relation
   marks, the fitted trace policy, demoting traces rejected, the answer in a block of its own) as
-  1 process and as 2: the same data, retriever and trace files."""
+  1 process and as 2: the same trace files. The task format does not reach the stages before it,
+  so both start from the data, SIDs and retriever the 2 x 2 run built (fresh there)."""
   flags = ["--config.task.mark_relations=True", "--config.task.mark_copurchase=True",
            "--config.task.rationale_style=brief", "--config.task.trace_policy=fit",
            "--config.task.reject_demoting=True", "--config.task.shuffle_train=False",
@@ -112,7 +106,12 @@ def test_real_data_task_format_is_process_count_independent(tmp_path):
   wds = {}
   for n in (1, 2):
     wd = tmp_path / f"{n}p"
+    for s in HOST_STAGES[:-1]:
+      shutil.copytree(runs["2x2"][0] / s, wd / s)
     mph.check(mph.launch(n, 1, SMOKE + [f"--workdir={wd}"] + flags, timeout=900))
+    for s in HOST_STAGES[:-1]:   # fresh, not rebuilt (copytree keeps modification times)
+      done = lambda root: os.path.getmtime(root / s / "DONE.json")
+      assert done(wd) == done(runs["2x2"][0]), s
     wds[n] = wd
   with open(wds[1] / "traces" / "policy.json") as f:
     assert json.load(f)["chosen_on"] == "train"
