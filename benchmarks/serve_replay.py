@@ -75,13 +75,6 @@ def expected(pred_path: str, n: int, imps: list) -> tuple[list, list]:
   return bodies, want
 
 
-def row_threshold(eval_dir: str) -> float:
-  """The tau an eval row was decoded at (its metrics.json): the ladder decodes its diffusion rows at
-  `pipeline.ladder_threshold`, which the server is asked for explicitly."""
-  with open(os.path.join(eval_dir, "metrics.json")) as f:
-    return float(json.load(f)["decode"]["threshold"])
-
-
 async def _send_all(url: str, bodies: list, timeout_s: float) -> list:
   import httpx
   limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
@@ -127,7 +120,7 @@ def main(argv=None):
     for m in modes:
       bodies, want = expected(os.path.join(dirs[m], "predictions.jsonl"), args.replay, imps)
       if m == "threshold":
-        bodies = [dict(b, threshold=row_threshold(dirs[m])) for b in bodies]
+        bodies = [dict(b, threshold=client.eval_threshold(dirs[m])) for b in bodies]
       t0 = time.monotonic()
       got = asyncio.run(_send_all(url, [dict(b, mode=m) for b in bodies], args.timeout_s))
       dt = time.monotonic() - t0

@@ -149,14 +149,6 @@ BAD = [  # (body, status, field named in the one-line error, metrics reason)
 ]
 
 
-def _ladder_tau(workdir, method):
-  """The tau a ladder row was decoded at (its metrics.json)."""
-  import json
-  import os
-  with open(os.path.join(workdir, "eval", method, "metrics.json")) as f:
-    return json.load(f)["decode"]["threshold"]
-
-
 def test_server_over_http(smoke_workdir):
   """The server on the toy pipeline's workdir: every mode answers the eval stage's test
   impressions as evaluation did (speculative = ar), bad requests interleaved with good ones get
@@ -182,7 +174,7 @@ def test_server_over_http(smoke_workdir):
       expect[mode] = [(r["ranking_items"] or imp["candidates"], answer_lib.split_response(r["output"])[0] or "",
                        r["nfe"]) for r, imp in zip(rows, imps)]
     # The ladder decodes its diffusion rows at pipeline.ladder_threshold: ask for that tau.
-    extra["threshold"] = dict(threshold=_ladder_tau(smoke_workdir, "cft_opd_rl"))
+    extra["threshold"] = dict(threshold=client.eval_threshold(os.path.join(smoke_workdir, "eval", "cft_opd_rl")))
     jobs = [(mode, i) for i in range(len(imps)) for mode in expect]
     bad = iter(BAD * 2)
 
@@ -287,7 +279,7 @@ def test_ray_serve_two_replicas(smoke_workdir):
     rows = [json.loads(l) for l in open(os.path.join(smoke_workdir, "eval", "cft_opd_rl", "predictions.jsonl"))]
     jobs = list(range(len(imps))) * 4
     with concurrent.futures.ThreadPoolExecutor(16) as ex:
-      tau = _ladder_tau(smoke_workdir, "cft_opd_rl")
+      tau = client.eval_threshold(os.path.join(smoke_workdir, "eval", "cft_opd_rl"))
       res = list(ex.map(lambda i: httpx.post(url + "/v1/rerank", json=dict(imps[i], threshold=tau), timeout=300),
                         jobs))
     pids = set()
@@ -324,4 +316,5 @@ def test_serve_replay_matches_modes_to_ladder_rows(tmp_path):
   assert bodies == [dict(history=[1], candidates=[3, 4, 5]), dict(history=[], candidates=[6, 7, 8])]
   assert want == [[5, 3, 4], [6, 7, 8]]
   (tmp_path / "metrics.json").write_text(json.dumps({"decode": {"threshold": 1.0, "block_size": 32}}))
-  assert serve_replay.row_threshold(str(tmp_path)) == 1.0
+  from dgr2_jax.serve import client
+  assert client.eval_threshold(str(tmp_path)) == 1.0

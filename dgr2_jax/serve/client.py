@@ -1,5 +1,6 @@
 """A small HTTP client of the server (tests, benchmarks/serve_load.py): impressions of a workdir's
-split as /v1/rerank bodies, the eval stage's answers for them, and server start / stop.
+split as /v1/rerank bodies, the eval stage's answers for them and the tau it decoded at, and server
+start / stop.
 
 Traffic goes to 127.0.0.1 only; every wait is bounded.
 """
@@ -7,6 +8,7 @@ Traffic goes to 127.0.0.1 only; every wait is bounded.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -34,6 +36,13 @@ def expected_rankings(predictions_path: str) -> list[list[int]]:
       r = json.loads(line)
       out.append(r["ranking_items"] if r.get("ranking_items") is not None else r.get("candidates"))
   return out
+
+
+def eval_threshold(eval_dir: str) -> float:
+  """The tau an eval directory's rows were decoded at (its metrics.json). The ladder decodes its
+  diffusion rows at `pipeline.ladder_threshold` when that is set, so a replay asks for this tau."""
+  with open(os.path.join(eval_dir, "metrics.json")) as f:
+    return float(json.load(f)["decode"]["threshold"])
 
 
 def free_port() -> int:
