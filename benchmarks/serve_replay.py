@@ -111,7 +111,10 @@ def main(argv=None):
   env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
   server_args = [f"--config={args.config}", f"--workdir={args.workdir}", f"--slots={args.slots}",
                  f"--steps_per_round={args.steps_per_round}", f"--modes={','.join(modes)}",
-                 f"--max_queue={max(args.replay, 1)}", f"--default_timeout_s={args.timeout_s}", *args.server_args]
+                 f"--max_queue={max(args.replay, 1)}", f"--default_timeout_s={args.timeout_s}"]
+  if "threshold" in modes:   # the step budget the ladder row was decoded with (its tau goes per request)
+    server_args.append(f"--config.decode.steps_per_block={client.eval_decode(dirs['threshold'])['steps_per_block']}")
+  server_args += args.server_args
   print(f"serve_replay: starting the server ({' '.join(server_args)})", flush=True)
   proc, url = client.start_server(server_args, client.free_port(), env=env, cwd=REPO,
                                   ready_timeout=args.ready_timeout)

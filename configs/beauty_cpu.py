@@ -104,10 +104,12 @@ def get_config(arg: str = ""):
   c.rl.valid_prompts = 2048
   c.rl.keep_best = True
   c.eval.max_examples = 0        # every test user with the target among the candidates
-  # The ladder's block-diffusion rows decode at tau 1.0, one position a step, most confident first:
-  # the paper's quality-preserving protocol for its accuracy table (Q1). On validation it moved the
-  # final model by +0.0020 Recall@1 over tau 0.9, at ~3.6x the eval's wall-clock (docs/results.md).
-  # The on-policy stages and the speculative row keep decode.threshold (0.9).
+  # The ladder's block-diffusion rows decode at tau 1.0 with no step budget, one position a step,
+  # most confident first: the paper's quality-preserving protocol for its accuracy table (Q1). On
+  # validation it moved the final model by +0.0020 Recall@1 over tau 0.9 (docs/results.md), at
+  # ~12x the forward passes. The on-policy stages and the speculative row keep decode's settings
+  # (tau 0.9, 8 steps per block).
   c.pipeline.ladder_threshold = 1.0
+  c.pipeline.ladder_steps_per_block = 0
   c.bench.max_examples = 32      # the frontier's users: its tokens/s, not its Recall@1, are the point
   return c

@@ -98,6 +98,7 @@ def test_paper_hyper_parameters():
     ({"pipeline.stages": ("data", "cft", "sft")}, "config.pipeline.stages", ValueError),
     ({"pipeline.stages": ("data", "generate")}, "config.pipeline.stages", ValueError),
     ({"pipeline.ladder_threshold": 1.5}, "config.pipeline.ladder_threshold", ValueError),
+    ({"pipeline.ladder_steps_per_block": -2}, "config.pipeline.ladder_steps_per_block", ValueError),
     ({"rl.group_size": 1}, "config.rl.group_size", ValueError),
     ({"rl.clip_eps": 0.0}, "config.rl.clip_eps", ValueError),
     ({"opd.teacher": "gpt"}, "config.opd.teacher", ValueError),
@@ -286,8 +287,9 @@ def test_ladder_uses_each_model_and_ar_decoding(tmp_path, monkeypatch):
   """run_ladder with the eval stage replaced: which model/decode each row gets, and the table."""
   workdir = str(tmp_path)
   c = load_config("demo.py", "opd_no_rl")
-  with c.unlocked():   # the diffusion rows' tau; AR rows decode at 1.0, the speculative row drafts at decode's
+  with c.unlocked():   # the diffusion rows' tau and budget; AR rows decode at 1.0, the speculative row drafts at decode's
     c.pipeline.ladder_threshold, c.decode.threshold = 0.7, 0.8
+    c.pipeline.ladder_steps_per_block, c.decode.steps_per_block = 0, 8
   for s in ("sft", "teacher_rl", "convert", "cft"):  # opd not built: its rows are skipped
     with common.atomic_dir(os.path.join(workdir, s), f"h-{s}") as tmp:
       os.makedirs(os.path.join(tmp, "model"))
@@ -306,7 +308,7 @@ def test_ladder_uses_each_model_and_ar_decoding(tmp_path, monkeypatch):
 
   def fake_eval(cfg, wd):
     seen.append((cfg.eval.name, cfg.eval.model_dir, cfg.decode.block_size, cfg.decode.mode, cfg.decode.threshold,
-                 common.model_hash(cfg.eval.model_dir)))
+                 cfg.decode.steps_per_block, common.model_hash(cfg.eval.model_dir)))
     out = os.path.join(wd, "eval", cfg.eval.name)
     with common.atomic_dir(out, "e-" + cfg.eval.name) as tmp:
       common.write_json_atomic(os.path.join(tmp, "metrics.json"), {
@@ -323,18 +325,19 @@ def test_ladder_uses_each_model_and_ar_decoding(tmp_path, monkeypatch):
   monkeypatch.setattr(eval_stage, "run", fake_eval)
   obj = pipeline.run_ladder(c, workdir)
   m = lambda s: os.path.join(workdir, s, "model")
-  assert seen == [("ar_sft", m("sft"), 1, "threshold", 1.0, "h-sft"),
-                  ("ar", m("teacher_rl"), 1, "threshold", 1.0, "h-teacher_rl"),
-                  ("naive", m("convert"), 32, "threshold", 0.7, "h-convert"),
-                  ("cft", m("cft"), 32, "threshold", 0.7, "h-cft")]
+  assert seen == [("ar_sft", m("sft"), 1, "threshold", 1.0, 8, "h-sft"),
+                  ("ar", m("teacher_rl"), 1, "threshold", 1.0, 8, "h-teacher_rl"),
+                  ("naive", m("convert"), 32, "threshold", 0.7, 0, "h-convert"),
+                  ("cft", m("cft"), 32, "threshold", 0.7, 0, "h-cft")]
   assert [(r["method"], r["recall@1"]) for r in obj] == [
       ("pre_rank", 0.2), ("ar_sft", 0.45), ("ar", 0.5), ("naive", 0.1), ("cft", 0.4)]
   # The speculative row: the final diffusion model drafts, the AR teacher (teacher_rl) verifies.
   sc = pipeline.method_config(c, workdir, "speculative", "opd")
-  assert (sc.decode.mode, sc.decode.verifier_dir, sc.decode.block_size, sc.decode.threshold) == (
-      "speculative", m("teacher_rl"), 32, 0.8)
-  default = load_config("demo.py", "opd_no_rl")   # ladder_threshold 0: the diffusion rows at decode.threshold
-  assert pipeline.method_config(default, workdir, "cft", "cft").decode.threshold == default.decode.threshold
+  assert (sc.decode.mode, sc.decode.verifier_dir, sc.decode.block_size, sc.decode.threshold,
+          sc.decode.steps_per_block) == ("speculative", m("teacher_rl"), 32, 0.8, 8)
+  default = load_config("demo.py", "opd_no_rl")   # ladder 0 and -1: the diffusion rows at decode's settings
+  dc = pipeline.method_config(default, workdir, "cft", "cft").decode
+  assert (dc.threshold, dc.steps_per_block) == (default.decode.threshold, default.decode.steps_per_block)
   assert os.path.exists(os.path.join(workdir, "results", "accuracy.md"))
   # The diagnostics of each row, by hand (floor on these users: #1 is the target once in four).
   d = {r["method"]: r for r in obj}

@@ -315,6 +315,8 @@ def test_serve_replay_matches_modes_to_ladder_rows(tmp_path):
   bodies, want = serve_replay.expected(str(path), 5, imps=[])
   assert bodies == [dict(history=[1], candidates=[3, 4, 5]), dict(history=[], candidates=[6, 7, 8])]
   assert want == [[5, 3, 4], [6, 7, 8]]
-  (tmp_path / "metrics.json").write_text(json.dumps({"decode": {"threshold": 1.0, "block_size": 32}}))
+  (tmp_path / "metrics.json").write_text(json.dumps({"decode": {"threshold": 1.0, "block_size": 32,
+                                                                "steps_per_block": 0}}))
   from dgr2_jax.serve import client
   assert client.eval_threshold(str(tmp_path)) == 1.0
+  assert client.eval_decode(str(tmp_path))["steps_per_block"] == 0

@@ -38,11 +38,17 @@ def expected_rankings(predictions_path: str) -> list[list[int]]:
   return out
 
 
-def eval_threshold(eval_dir: str) -> float:
-  """The tau an eval directory's rows were decoded at (its metrics.json). The ladder decodes its
-  diffusion rows at `pipeline.ladder_threshold` when that is set, so a replay asks for this tau."""
+def eval_decode(eval_dir: str) -> dict:
+  """The decode settings an eval directory's rows were decoded with (its metrics.json). The ladder
+  decodes its diffusion rows at `pipeline.ladder_threshold` / `ladder_steps_per_block` where they
+  are set, so a replay asks for this tau and starts its server with this step budget."""
   with open(os.path.join(eval_dir, "metrics.json")) as f:
-    return float(json.load(f)["decode"]["threshold"])
+    return json.load(f)["decode"]
+
+
+def eval_threshold(eval_dir: str) -> float:
+  """The tau an eval directory's rows were decoded at (`eval_decode`)."""
+  return float(eval_decode(eval_dir)["threshold"])
 
 
 def free_port() -> int:

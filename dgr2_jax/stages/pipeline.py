@@ -8,7 +8,8 @@ one start from the previous model that exists (`previous_model_stage`).
 
 The pipeline's `eval` step is the accuracy ladder: the eval stage once per model in the chain,
 AR decoding (block 1) for the AR models (`ar_sft` and `ar` when `teacher_rl` runs, else `ar`) and
-`config.decode` for the diffusion models (at tau `pipeline.ladder_threshold` when it is set; 1.0 is
+`config.decode` for the diffusion models (at tau `pipeline.ladder_threshold` and step budget
+`pipeline.ladder_steps_per_block` where they are set; 1.0 and no budget, one position a step, is
 the paper's quality-preserving protocol), plus (`pipeline.speculative_row`) the final diffusion
 model drafting for the AR teacher (`speculative`, whose metrics equal `ar`'s exactly), into
 `workdir/eval/<method>/`, summarised in `workdir/results/accuracy.{md,json}` (with the pre-rank
@@ -103,6 +104,10 @@ def validate(config, runs: set) -> None:
   tau = config.pipeline.get("ladder_threshold", 0.0)
   if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 <= tau <= 1.0:
     checks.fail("pipeline.ladder_threshold", f"must be 0 (decode.threshold) or in (0, 1], got {tau!r}")
+  budget = config.pipeline.get("ladder_steps_per_block", -1)
+  if not checks.is_int(budget, -1):
+    checks.fail("pipeline.ladder_steps_per_block",
+                f"must be an int >= -1 (-1 = decode.steps_per_block, 0 = no budget), got {budget!r}")
 
 
 # What a stage run alone reads from the workdir besides its own section's paths: eval and bench
@@ -164,8 +169,12 @@ def method_config(config, workdir: str, method: str, stage: str):
     elif method == "speculative":
       c.decode.mode = "speculative"
       c.decode.verifier_dir = c.decode.get("verifier_dir", "") or teacher_model_dir(config, workdir)
-    elif c.get("pipeline", {}).get("ladder_threshold", 0.0):   # a block-diffusion row at the ladder's tau
-      c.decode.threshold = float(c.pipeline.ladder_threshold)
+    else:   # a block-diffusion row, at the ladder's own tau and step budget where they are set
+      p = c.get("pipeline", {})
+      if p.get("ladder_threshold", 0.0):
+        c.decode.threshold = float(p.ladder_threshold)
+      if p.get("ladder_steps_per_block", -1) >= 0:
+        c.decode.steps_per_block = int(p.ladder_steps_per_block)
   return c
 
 
