@@ -167,13 +167,14 @@ def pipeline_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.stages = PIPELINE_STAGES  # ablations drop entries; the order is fixed
   c.speculative_row = True    # a `speculative` row in the ladder (equal to the `ar` row's metrics)
-  # tau of the ladder's block-diffusion rows (0 => decode.threshold). 1.0 commits the most confident
-  # position a step: the paper's quality-preserving protocol for its accuracy table (Q1). The
-  # speculative row drafts and the on-policy stages roll out at decode's settings whatever this is.
+  # tau of the ladder's block-diffusion rows (0 => decode.threshold). The paper's accuracy table
+  # (Q1) is at tau 1.0, "quality-preserving", with its step budget. The speculative row drafts and
+  # the on-policy stages roll out at decode's settings whatever this is.
   c.ladder_threshold = 0.0
   # Step budget of the ladder's block-diffusion rows (-1 => decode.steps_per_block; 0 = none). A
-  # budget of S steps per block commits at least 32/S positions a step whatever tau is, so tau 1.0
-  # is one position a step only with 0 here (~12x the forward passes of tau 0.9 on real Beauty).
+  # budget of S steps per block commits at least block_size/S positions a step whatever tau is, so
+  # tau 1.0 is one position a step only with 0 here (~11x the forward passes of tau 0.9 on real
+  # Beauty; an untrained conversion then decodes mostly left to right: docs/results.md).
   c.ladder_steps_per_block = -1
   return c
 

@@ -1,4 +1,4 @@
-"""Real Amazon Beauty on CPU with a tiny Qwen3: the whole recipe and its accuracy ladder (~3 h, 2 cores).
+"""Real Amazon Beauty on CPU with a tiny Qwen3: the whole recipe and its accuracy ladder (1 to 3 h on 2 cores).
 
   python -m dgr2_jax.main --config=configs/beauty_cpu.py --config.data.dir=PATH/amazon_beauty \
       --workdir=/tmp/dgr2_beauty_cpu
@@ -24,7 +24,7 @@ candidate numbers, and training lists made the way test lists are:
   (`task.reject_demoting`), as the paper rejection-samples its teacher's traces;
 - the answer starts a block of its own (`task.answer_block`), so a diffusion model denoises it
   with the choice already committed.
-The ladder is on every test user whose target the retriever puts in its top 10 (1,891 with this
+The ladder is on every test user whose target the retriever puts in its top 10 (1,886 with this
 SASRec), as in the paper (n = 1,615 there).
 The model is the demo's 3-layer, 64-wide Qwen3, so this is the recipe's shape on real data, not
 the paper's accuracy (docs/results.md: the table beside the paper's Q1).
@@ -49,8 +49,8 @@ def get_config(arg: str = ""):
   c.sids.hidden_dims = (512, 256, 128)
   c.sids.batch_size = 1024
   c.sids.num_steps = 3000
-  # The paper's retriever: a converged SASRec (docs/results.md: test Recall@10 0.0846, 1,891 test users with
-  # the target in the top 10, pre-rank Recall@1 0.290; the paper's 0.281 on 1,615).
+  # The paper's retriever: a converged SASRec (docs/results.md: test Recall@10 0.0843, 1,886 test users with
+  # the target in the top 10, pre-rank Recall@1 0.296; the paper's 0.281 on 1,615).
   c.retriever.hidden = 64
   c.retriever.batch_size = 128
   c.retriever.dropout = 0.5

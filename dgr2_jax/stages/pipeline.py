@@ -9,8 +9,8 @@ one start from the previous model that exists (`previous_model_stage`).
 The pipeline's `eval` step is the accuracy ladder: the eval stage once per model in the chain,
 AR decoding (block 1) for the AR models (`ar_sft` and `ar` when `teacher_rl` runs, else `ar`) and
 `config.decode` for the diffusion models (at tau `pipeline.ladder_threshold` and step budget
-`pipeline.ladder_steps_per_block` where they are set; 1.0 and no budget, one position a step, is
-the paper's quality-preserving protocol), plus (`pipeline.speculative_row`) the final diffusion
+`pipeline.ladder_steps_per_block` where they are set; 1.0 and no budget decode one position a
+step), plus (`pipeline.speculative_row`) the final diffusion
 model drafting for the AR teacher (`speculative`, whose metrics equal `ar`'s exactly), into
 `workdir/eval/<method>/`, summarised in `workdir/results/accuracy.{md,json}` (with the pre-rank
 floor of the same examples and each row's diagnostics from its predictions, task/diagnostics.py:
