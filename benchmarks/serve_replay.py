@@ -123,7 +123,8 @@ def main(argv=None):
     for m in modes:
       bodies, want = expected(os.path.join(dirs[m], "predictions.jsonl"), args.replay, imps)
       if m == "threshold":
-        bodies = [dict(b, threshold=client.eval_threshold(dirs[m])) for b in bodies]
+        tau = client.eval_threshold(dirs[m])   # read once, not once per body
+        bodies = [dict(b, threshold=tau) for b in bodies]
       t0 = time.monotonic()
       got = asyncio.run(_send_all(url, [dict(b, mode=m) for b in bodies], args.timeout_s))
       dt = time.monotonic() - t0

@@ -106,7 +106,7 @@ def get_config(arg: str = ""):
   c.eval.max_examples = 0        # every test user with the target among the candidates
   # The ladder's block-diffusion rows decode with decode's settings (tau 0.9, 8 steps per block).
   # `--config.pipeline.ladder_threshold=1.0 --config.pipeline.ladder_steps_per_block=0` decodes
-  # them one position a step; then the untrained conversion decodes left to right, like an AR
-  # model, and is valid 0.64 instead of the paper's 0.001 (docs/results.md: the ladder under each).
+  # them one position a step; then the untrained conversion decodes mostly left to right, like an
+  # AR model, and is valid 0.64 instead of the paper's 0.001 (docs/results.md: the ladder under each).
   c.bench.max_examples = 32      # the frontier's users: its tokens/s, not its Recall@1, are the point
   return c

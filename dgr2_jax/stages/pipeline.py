@@ -10,8 +10,7 @@ The pipeline's `eval` step is the accuracy ladder: the eval stage once per model
 AR decoding (block 1) for the AR models (`ar_sft` and `ar` when `teacher_rl` runs, else `ar`) and
 `config.decode` for the diffusion models (at tau `pipeline.ladder_threshold` and step budget
 `pipeline.ladder_steps_per_block` where they are set; 1.0 and no budget decode one position a
-step), plus (`pipeline.speculative_row`) the final diffusion
-model drafting for the AR teacher (`speculative`, whose metrics equal `ar`'s exactly), into
+step), plus (`pipeline.speculative_row`) the final diffusion model drafting for the AR teacher (`speculative`, whose metrics equal `ar`'s exactly), into
 `workdir/eval/<method>/`, summarised in `workdir/results/accuracy.{md,json}` (with the pre-rank
 floor of the same examples and each row's diagnostics from its predictions, task/diagnostics.py:
 override rate and precision, trace-policy agreement, paired bootstrap CIs against the floor and
