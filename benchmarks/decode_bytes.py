@@ -483,12 +483,12 @@ def decoder_program(program: str, cfg: Qwen3Config, batch: int, prompt_len: int,
   mask = cfg.mask_token_id
   if program == "speculative":
     dc = sampler.DecodeConfig(block_size=block, max_new_tokens=new_tokens, eos_ids=(0,), mask_token_id=mask,
-                              kv_write="separate")
+                              kv_write="separate", steps_per_block=0)
     fn = speculative.decoder_for(cfg, cfg, dc)
     return fn, (pshape, pshape, toks, lens) + scalars, leaves_of((pshape, pshape))
   bs = 1 if program == "ar" else block
   dc = sampler.DecodeConfig(block_size=bs, max_new_tokens=new_tokens, eos_ids=(0,), mask_token_id=mask,
-                            kv_write="fused" if program == "diffusion_fused" else "separate")
+                            kv_write="fused" if program == "diffusion_fused" else "separate", steps_per_block=0)
   fn = sampler.decoder_for(cfg, dc)[1]
   return fn, (pshape, toks, lens) + scalars, leaves_of(pshape)
 
@@ -532,7 +532,7 @@ def measure(shape: str, program: str, batch: int) -> dict:
   l_hi = max(FLAGS.layers, 2)
   full = SHAPES[shape]["num_hidden_layers"]
   t0 = time.perf_counter()
-  per_layer, costs, res = None, {}, None
+  costs, res = {}, None
   for layers in (l_hi - 1, l_hi):
     cfg = model_config(shape, layers)
     if layers == l_hi:
@@ -655,7 +655,8 @@ def main(_):
   print(table(rows))
   if FLAGS.hlo_dir:
     print(f"\nInside the decode loop of the optimised program ({jax.default_backend()}, {FLAGS.layers} layers; "
-          f"HLO in {FLAGS.hlo_dir}):\n\n| shape | program | batch | copies | converts | all-gathers |\n|---|---|---|---|---|---|")
+          f"HLO in {FLAGS.hlo_dir}):\n\n| shape | program | batch | copies | converts | all-gathers |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
       o = r["loop_ops"]
       print(f"| {r['shape']} | {r['program']} | {r['batch']} | {o['copy']} | {o['convert']} | {o['all-gather']} |")

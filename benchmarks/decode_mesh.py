@@ -103,7 +103,7 @@ def main(_):
     kv = sum(int(np.prod(kv_sh.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))
     for name, bs in (("ar", 1), ("diffusion_w32", 32)):
       dc = sampler.decode_config_for(cfg, block_size=bs, threshold=0.9 if bs > 1 else 1.0,
-                                     max_new_tokens=FLAGS.max_new_tokens)
+                                     max_new_tokens=FLAGS.max_new_tokens, steps_per_block=0)
       _, fn = sampler.decoder_for(cfg, dc, mesh)
       scal = lambda d: jax.ShapeDtypeStruct((), d)
       t0 = time.perf_counter()

@@ -53,7 +53,8 @@ import decode_throughput  # noqa: E402
 
 GROUPS = (("attention", r"self_attn/(bkqd|bkqs|btkgd|bkgts|jit\(_where\)|reduce_max|reduce_sum|exp|sub|div|softmax)"),
           ("projections", r"self_attn/(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)|layernorm|/norm/"),
-          ("mlp", r"/mlp/"), ("lm_head", r"e,ev->|ve->"), ("choose", r"branch_\d_fun/(reduce|select|eq|exp|log|argmax|min)|"
+          ("mlp", r"/mlp/"), ("lm_head", r"e,ev->|ve->"), ("choose",
+                                                        r"branch_\d_fun/(reduce|select|eq|exp|log|argmax|min)|"
                                                           r"sort|categorical|fold_in|threefry|cumsum|top_k"))
 
 

@@ -91,7 +91,8 @@ def main():
   print("|---|---|---|---|---|---|---|")
   for label, bs, kv_write, kw in rows:
     dc = sampler.DecodeConfig(block_size=bs, threshold=0.9, max_new_tokens=64, mask_token_id=a.vocab - 1,
-                              eos_ids=(5,), kv_write=kv_write, steps_per_sync=a.steps_per_sync, **kw)
+                              eos_ids=(5,), kv_write=kv_write, steps_per_sync=a.steps_per_sync, steps_per_block=0,
+                              **kw)
     for name, smod, spmod, k in versions:
       traced = (np.float32(dc.threshold), np.float32(dc.temperature), np.int32(dc.top_k), np.float32(dc.top_p),
                 np.zeros((2,), np.uint32), np.int32(0))
@@ -128,9 +129,10 @@ def lower_8b():
             jax.ShapeDtypeStruct((2,), jnp.uint32), sc(jnp.int32))
   print("Qwen3-8B shape, bf16, batch 1, prompt 2,200, lowered: | decoder | whiles | conds |")
   for label, bs, kv_write, temp in (("AR", 1, "separate", 0.0), ("B=32 fused", 32, "fused", 0.0),
-                                    ("B=32 separate sampled", 32, "separate", 0.7), ("speculative B=32", 32, "fused", 0.0)):
+                                    ("B=32 separate sampled", 32, "separate", 0.7),
+                                    ("speculative B=32", 32, "fused", 0.0)):
     dc = sampler.DecodeConfig(block_size=bs, threshold=0.9, max_new_tokens=256, mask_token_id=v - 1, eos_ids=(5,),
-                              kv_write=kv_write, temperature=temp)
+                              kv_write=kv_write, temperature=temp, steps_per_block=0)
     if label.startswith("speculative"):
       txt = speculative.decoder_for(cfg, cfg, dc).lower(params, params, toks, lens, *traced).as_text()
     else:

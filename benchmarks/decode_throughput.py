@@ -168,7 +168,8 @@ def main(_):
   rs = np.random.RandomState(0)
   rows = []
   print(f"# decode throughput: {kind} x{jax.device_count()}, jax {jax.__version__}, {platform.machine()}; model "
-        f"{FLAGS.model_dir or FLAGS.preset} ({n_params / 1e6:.1f}M params, {cfg.dtype}, attention {cfg.attention_impl}); "
+        f"{FLAGS.model_dir or FLAGS.preset} ({n_params / 1e6:.1f}M params, {cfg.dtype}, "
+        f"attention {cfg.attention_impl}); "
         f"prompt {FLAGS.prompt_len}, EOS off, kv_write " +
         ", ".join(f"{sampler.resolve_kv_write(FLAGS.kv_write, int(b))} at batch {b}" for b in FLAGS.batch_sizes),
         flush=True)
@@ -214,7 +215,8 @@ def main(_):
     rf = r.get("roofline_tokens_per_s")
     fr = r.get("roofline_fraction")
     print(f"| {r['new_tokens']} | {r['batch']} | {r['name']} | {r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
-          f"{r['tokens_per_s']:.1f} | {r['prefill_s']:.3f} | {r['nfe_per_seq']:.1f} | {'' if rf is None else f'{rf:.0f}'} | {'' if fr is None else f'{fr:.0%}'} | "
+          f"{r['tokens_per_s']:.1f} | {r['prefill_s']:.3f} | {r['nfe_per_seq']:.1f} | "
+          f"{'' if rf is None else f'{rf:.0f}'} | {'' if fr is None else f'{fr:.0%}'} | "
           f"{r['compile_s']:.1f} |")
   print(f"\nwindow cost at batch 1 (prompt {FLAGS.prompt_len} + 64 cache slots): 1 slot {costs[1] * 1e3:.3f} ms, "
         f"32 slots {costs[32] * 1e3:.3f} ms ({costs[32] / costs[1]:.2f}x), 64 slots {costs[64] * 1e3:.3f} ms "

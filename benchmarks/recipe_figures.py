@@ -87,7 +87,7 @@ def ladder(config, workdir: str, split: str, max_examples: int) -> list[dict]:
     rows.append(dict(method=method, valid_rate=m["valid_rate"], recall1=m["recall@1"],
                      floor=m["prerank_floor"]["recall@1"], reward=float(rew.mean()),
                      nfe=m["mean_nfe"], n=m["n"]))
-  diag = pipeline.ladder_diagnostics(config, workdir, preds)   # the same columns as accuracy.md
+  diag = pipeline.ladder_diagnostics(config, workdir, preds, split)   # the same columns as accuracy.md
   return [{**r, **diag[r["method"]]} for r in rows]
 
 
@@ -139,13 +139,14 @@ def heldout_on_policy(config, workdir: str, split: str, n_prompts: int) -> dict:
   model); the KL to the AR teacher in both student contexts on the same rollouts."""
   import jax
   import numpy as np
+  from dgr2_jax.stages import on_policy
   from dgr2_jax.stages import opd as opd_stage
   from dgr2_jax.stages import pipeline
   from dgr2_jax.train import opd
-  oc = opd_stage.section(config, "opd", opd.opd_config)
+  oc = on_policy.section(config, "opd", opd.opd_config)
   with oc.unlocked():
     oc.replay_max_segments = 0   # exact canvases for both contexts ('prefix' needs one per token)
-  task = opd_stage.task_setup(config, workdir, split)
+  task = on_policy.task_setup(config, workdir, split)
   prompts = {k: v[:n_prompts] for k, v in task["prompts"].items()}
   per, g = max(1, int(oc.prompts_per_step)), int(oc.rollouts_per_prompt)
   out = {}
@@ -185,11 +186,11 @@ def heldout_ar_reward(config, workdir: str, split: str, n_prompts: int) -> dict:
   import dataclasses
   import jax
   import numpy as np
-  from dgr2_jax.stages import opd as opd_stage
+  from dgr2_jax.stages import on_policy
   from dgr2_jax.stages import pipeline
   from dgr2_jax.train import grpo, rollouts
-  tc = opd_stage.section(config, "teacher_rl", grpo.rl_config)
-  task = opd_stage.task_setup(config, workdir, split)
+  tc = on_policy.section(config, "teacher_rl", grpo.rl_config)
+  task = on_policy.task_setup(config, workdir, split)
   prompts = {k: v[:n_prompts] for k, v in task["prompts"].items()}
   per, g = max(1, int(tc.prompts_per_step)), int(tc.group_size)
   out = {}
@@ -197,15 +198,15 @@ def heldout_ar_reward(config, workdir: str, split: str, n_prompts: int) -> dict:
     src = pipeline.model_dir(workdir, stage)
     if not os.path.isdir(src):
       continue
-    mc, params = opd_stage.load_policy(config, src)
-    dc = dataclasses.replace(opd_stage.rollout_decode_config(config, task["tids"], mc, tc.temperature),
+    mc, params = on_policy.load_policy(config, src)
+    dc = dataclasses.replace(on_policy.rollout_decode_config(config, task["tids"], mc, tc.temperature),
                              block_size=1, threshold=1.0)
     rewards = []
     for i in range(0, len(prompts["prompt_ids"]) - per + 1, per):
       chunk = {k: v[i:i + per] for k, v in prompts.items()}
       roll = rollouts.sample(mc.as_block_diffusion(1), params, chunk["prompt_ids"], chunk["prompt_len"], dc,
                              jax.random.PRNGKey(2000 + i), g)
-      rewards.append(opd_stage.score_rollouts(roll, chunk, g, task, float(tc.alpha))["rewards"])
+      rewards.append(on_policy.score_rollouts(roll, chunk, g, task, float(tc.alpha))["rewards"])
     out[stage] = float(np.concatenate(rewards).mean())
     print(f"held-out on-policy, {stage} (AR) model: mean sampled reward {out[stage]:.4f} over "
           f"{sum(len(r) for r in rewards)} rollouts", flush=True)
@@ -277,9 +278,9 @@ def main(argv):
     checks.append(("#6 CFT valid rate > 0.95", by["cft"]["valid_rate"] > 0.95,
                    f"{by['cft']['valid_rate']:.4f}"))
   if "cft" in onp and "opd" in onp:
-    from dgr2_jax.stages import opd as opd_stage
+    from dgr2_jax.stages import on_policy
     from dgr2_jax.train import opd
-    ctx = opd_stage.section(config, "opd", opd.opd_config).student_context
+    ctx = on_policy.section(config, "opd", opd.opd_config).student_context
     a, b = onp["cft"]["kl"][ctx], onp["opd"]["kl"][ctx]
     lo, hi = diagnostics.paired_bootstrap_ci(a, b, stat=mean_kl)   # resampling prompts
     checks.append((f"#7 OPD lowers held-out KL to the teacher (its loss, {ctx} context)",

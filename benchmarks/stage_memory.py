@@ -16,7 +16,7 @@ elsewhere (2 layers, 32 wide):
      teacher: both models and both KV caches), `bench` the frontier, on `--eval_examples` test
      users.
 Per stage: the process's peak RSS (`ru_maxrss` of the child), its wall-clock, and beside it the
-plan of `dgr2_jax/train/memory_plan.py` (what `launch/dry_run.py` prints for the GPU presets:
+plan of `dgr2_jax/train/memory_plan.py` (what the dry run prints for the GPU presets:
 activations + logits + teacher cache + rollout decode) plus params/optimizer and the measured
 RSS of a process that only imports the stack. `--device` also reports JAX's device peak
 (`memory_stats()`) when the backend has one (GPU).
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time

@@ -141,7 +141,7 @@ def main():
     lens = []
     for e in sample:
       ids, _ = prompts.render_prompt_ids(tok, e["history"], e["candidates"], d["items"], d["sids"],
-                                         variant=variant, max_history=cfg.max_history)
+                                         style=prompts.PromptStyle(variant), max_history=cfg.max_history)
       lens.append(len(ids))
     print(f"\nprompt tokens ({variant}, history <= {cfg.max_history}): {summary(lens)}")
   reason, resp, valid = [], [], 0

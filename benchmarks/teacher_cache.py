@@ -26,7 +26,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dgr2_jax.train import opd  # noqa: E402
@@ -40,11 +39,12 @@ def bytes_per_token(mode: str, v: int, k: int) -> int:
 
 def demo_accuracy(workdir: str, n_prompts: int):
   from configs import demo
+  from dgr2_jax.stages import on_policy
   from dgr2_jax.stages import opd as opd_stage
   from dgr2_jax.stages import pipeline
   config = demo.get_config()
-  oc = opd_stage.section(config, "opd", opd.opd_config)
-  task = opd_stage.task_setup(config, workdir, "valid")
+  oc = on_policy.section(config, "opd", opd.opd_config)
+  task = on_policy.task_setup(config, workdir, "valid")
   prompts = {k: v[:n_prompts] for k, v in task["prompts"].items()}
   student = pipeline.model_dir(workdir, "opd")
   teacher = opd_stage.teacher_model_dir(config, oc, workdir)
@@ -133,16 +133,20 @@ def main():
   if a.workdir and os.path.isdir(os.path.join(a.workdir, "opd", "model")):
     rows = demo_accuracy(a.workdir, a.prompts)
     print(f"\nAccuracy on {rows[0]['tokens']} held-out tokens of the demo ({a.workdir}, OPD student, AR teacher):")
-    print("| teacher side | OPD loss (KL) | rel. error | worst token error | gradient rel. error | bytes/token (demo V) |")
+    print("| teacher side | OPD loss (KL) | rel. error | worst token error | gradient rel. error "
+          "| bytes/token (demo V) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-      print(f"| {r['mode']} | {r['kl']:.5f} | {r['rel']:.2%} | {r['worst']:.4f} | {r['grad_rel']:.2%} | {r['bytes']:,} |")
+      print(f"| {r['mode']} | {r['kl']:.5f} | {r['rel']:.2%} | {r['worst']:.4f} | {r['grad_rel']:.2%} "
+            f"| {r['bytes']:,} |")
   else:
     print(f"(no finished demo workdir at {a.workdir!r}: accuracy part skipped)")
   cost = qwen3_cost(a.rows, 512, a.prompt_len)
-  print(f"\nCost at Qwen3's vocabulary (V = {QWEN3_V:,}; {a.rows} rollouts x 512 tokens, prompt {a.prompt_len}, "
+  print(f"\nCost at Qwen3's vocabulary (V = {QWEN3_V:,}; {a.rows} rollouts x 512 tokens, "
+        f"prompt {a.prompt_len}, "
         f"2-layer 32-wide model, {jax.devices()[0].platform}):")
-  print("| teacher side | bytes/token | cache of this step | cache of a paper step (128 x 4 x 512) | step temp memory | "
+  print("| teacher side | bytes/token | cache of this step | cache of a paper step (128 x 4 x 512) "
+        "| step temp memory | "
         "cache build s | step s |")
   print("|---|---|---|---|---|---|---|")
   for r in cost:

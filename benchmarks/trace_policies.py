@@ -123,8 +123,8 @@ def main(argv):
       k = int(np.argmax(sc))
       return k if sc[k] >= sc[0] + m else 0
     rows.append((f"table P(target | position, relation), margin {margin}", pick))
-  print(f"| policy | train R@1 | valid R@1 | valid - floor | valid override rate | "
-        f"override precision | #1 precision there |")
+  print("| policy | train R@1 | valid R@1 | valid - floor | valid override rate | "
+        "override precision | #1 precision there |")
   print("|---|---|---|---|---|---|---|")
   floor = None
   for name, pick in rows:

@@ -13,7 +13,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configs import base  # pylint: disable=g-import-not-at-top
+from dgr2_jax.decode import config as decode_config  # pylint: disable=g-import-not-at-top
 
 
 def get_config(arg: str = ""):
@@ -29,6 +29,6 @@ def get_config(arg: str = ""):
   c.batch_size = 8          # static; the last batch is padded with a copy of a real prompt
   c.max_prompt_len = 0      # static prompt slots; 0 => longest prompt rounded up to 64
   c.enable_thinking = True  # chat template flag for {"messages": ...} lines
-  c.decode = base.decode_config()
+  c.decode = decode_config.decode_config()
   c.decode.max_new_tokens = 64
   return c

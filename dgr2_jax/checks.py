@@ -1,8 +1,9 @@
 """The config checks every section's `validate` shares (stdlib only: the bottom floor).
 
-Each config section is validated by the module that owns it (`dgr2_jax/data/config.py` for
-`data`, `sids`, `retriever`; `task/config.py` for `task`, `eval`; `train/config.py` for `train`;
-`model/config.py`; `decode/runtime.py`; `train/cft.py`, `train/opd.py`, `train/grpo.py`;
+Each config section is validated by the module that owns it, the one that also defines its
+defaults (`dgr2_jax/data/config.py` for `data`, `sids`, `retriever`; `task/config.py` for `task`,
+`eval`; `train/config.py` for `train`; `model/config.py`; `decode/config.py`; `train/cft.py`,
+`train/opd.py`, `train/grpo.py` (`rl`, `teacher_rl`); `train/dry_run.py` (`hardware`);
 `stages/bench.py`, `stages/generate.py`, `stages/pipeline.py`); `dgr2_jax.main.validate` only
 dispatches. A check raises ValueError (a bad value) or FileNotFoundError (a missing path) whose
 message starts with `config.<field>:`, so the command line prints it as one line.

@@ -10,7 +10,7 @@ point from `STAGES`; each stage module is imported only when it runs, so a missi
 does not break the others; a stage asked for alone first runs the stages it reads that the workdir
 has not built. `validate` checks the config before any work and names the field of the first
 problem it finds; each config section is checked by the module that owns it, main only
-dispatches. `--config.dry_run=True` prints the mesh and per-device memory plan (launch/dry_run.py)
+dispatches. `--config.dry_run=True` prints the mesh and per-device memory plan (dgr2_jax/train/dry_run.py)
 and exits without allocating anything. Library logs (Orbax, TFDS) are kept at WARNING;
 `--verbosity=0` shows their INFO lines too.
 
@@ -21,21 +21,22 @@ be read (`fileio.InputError`) or a stage whose inputs are missing.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
 from dgr2_jax.fileio import InputError
 # The allowed values live with the code that uses them (re-exported for the tests that compare).
-from dgr2_jax.decode.sampler import KV_WRITES  # noqa: F401
-from dgr2_jax.decode.speculative import MODES as DECODE_MODES  # noqa: F401
+from dgr2_jax.decode.config import KV_WRITES  # noqa: F401
+from dgr2_jax.decode.config import MODES as DECODE_MODES  # noqa: F401
 from dgr2_jax.model.config import ATTENTION_IMPLS  # noqa: F401
 from dgr2_jax.train.cft import WEIGHTINGS as LOSS_WEIGHTINGS  # noqa: F401
 from dgr2_jax.train.opd import STUDENT_CONTEXTS as OPD_STUDENT_CONTEXTS  # noqa: F401
 from dgr2_jax.train.opd import TEACHER_CACHES as OPD_TEACHER_CACHES  # noqa: F401
 from dgr2_jax.train.opd import TEACHERS as OPD_TEACHERS  # noqa: F401
-# The stage registry (name -> module with `run(config, workdir)`, imported when it runs) lives with
-# the pipeline that chains the stages; main validates and dispatches.
+from dgr2_jax.train import dry_run
+# The stage registry (stages/registry.py: name -> module declaring `STAGE`, imported when it runs),
+# read through the pipeline that chains the stages; main validates and dispatches.
+from dgr2_jax.stages import pipeline
 from dgr2_jax.stages.pipeline import NO_WORKDIR, ORDER, STAGES, check_available, stage_fn  # noqa: F401
 
 USAGE, RUNTIME = 2, 1  # exit statuses: a mistake on the command line / in an input file
@@ -46,18 +47,18 @@ PROG = "dgr2_jax.main"
 def _section_validators():
   """(name, validate(config, runs)) of every config section, each owned by its package."""
   from dgr2_jax.data import config as data_config
-  from dgr2_jax.decode import runtime
+  from dgr2_jax.decode import config as decode_config
   from dgr2_jax.model import config as model_config
   from dgr2_jax.stages import bench, generate, pipeline
   from dgr2_jax.task import config as task_config
   from dgr2_jax.train import cft, grpo, opd
   from dgr2_jax.train import config as train_config
-  return (("pipeline", pipeline.validate), ("decode", runtime.validate),
+  return (("pipeline", pipeline.validate), ("decode", decode_config.validate),
           ("data, sids, retriever", data_config.validate), ("task", task_config.validate),
           ("cft", cft.validate), ("model", model_config.validate), ("train", train_config.validate),
-          ("teacher_rl", lambda c, r: grpo.validate(c, r, "teacher_rl")), ("opd", opd.validate),
+          ("teacher_rl", grpo.validate_teacher_rl), ("opd", opd.validate),
           ("rl", grpo.validate), ("eval", task_config.validate_eval), ("bench", bench.validate),
-          ("generate", generate.validate))
+          ("generate", generate.validate), ("hardware", dry_run.validate))
 
 
 def _runs(config) -> set:
@@ -81,25 +82,12 @@ def validate(config, workdir: str | None) -> None:
     raise ValueError(f"--workdir: {workdir!r} is a file; give a directory (created if missing)")
   runs = set() if config.get("dry_run", False) else (_runs(config) if "pipeline" in config else {stage})
   if runs and stage != "pipeline":  # a stage alone also runs what it needs that is not built
-    from dgr2_jax.stages import pipeline
     runs |= set(pipeline.missing_prerequisites(config, workdir, stage))
   for _, check in _section_validators():
     check(config, runs)
 
 
 # ---- running -------------------------------------------------------------------------------------
-def load_dry_run():
-  """launch/dry_run.py as a module (it lives next to the launch scripts, outside the package)."""
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch",
-                      "dry_run.py")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"dry run needs {path} (run from a source checkout)")
-  spec = importlib.util.spec_from_file_location("dgr2_dry_run", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def run(config, workdir: str | None):
   """Validates, then runs `config.stage` (or prints the dry-run plan). Returns the stage's result.
 
@@ -108,11 +96,9 @@ def run(config, workdir: str | None):
   """
   validate(config, workdir)
   if config.get("dry_run", False):
-    dry = load_dry_run()
-    text = dry.format_plan(dry.plan(config))
+    text = dry_run.format_plan(dry_run.plan(config))
     print(text, flush=True)
     return text
-  from dgr2_jax.stages import pipeline
   first = [] if config.stage == "pipeline" else pipeline.missing_prerequisites(config, workdir, config.stage)
   check_available(_runs(config) | set(first))
   if workdir:
@@ -120,10 +106,8 @@ def run(config, workdir: str | None):
   for s in first:
     print(f"{PROG}: {config.stage!r} needs {s!r}, which {workdir} has not built: running it first",
           flush=True)
-    pipeline.run_timed(s, stage_fn(s), config, workdir)
-  if config.stage == "pipeline" or not workdir:
-    return stage_fn(config.stage)(config, workdir)
-  return pipeline.run_timed(config.stage, stage_fn(config.stage), config, workdir)
+    stage_fn(s)(config, workdir)
+  return stage_fn(config.stage)(config, workdir)
 
 
 def fail(msg, status: int):

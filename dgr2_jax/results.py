@@ -7,7 +7,8 @@ bootstrap 95% CIs of the Recall@1 difference against the floor and the AR teache
 `workdir/results/frontier.{md,json,png}`: one row per (decoder, batch size, block_size, threshold)
 plus the AR row of each batch size, with recall@1, valid_rate, tokens_per_s, nfe_per_seq, speedup
 (tokens/s over AR at the same batch size), nfe_speedup and, for speculative rows, the drafts
-accepted per verifier pass; the PNG plots Recall@1 against speedup. Every JSON carries the machine, library versions and the
+accepted per verifier pass; the PNG plots Recall@1 against speedup. Every JSON carries the machine,
+library versions and the
 config hash, so a table is never separated from what produced it. Files are written atomically.
 """
 

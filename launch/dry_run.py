@@ -1,187 +1,29 @@
-"""Dry run: the device mesh and a per-device memory plan for a config, without allocating.
+"""Dry run from the command line: the device mesh and a per-device memory plan for a config.
 
   python launch/dry_run.py --config=configs/beauty_qwen3_8b.py
-  python -m dgr2_jax.main --config=configs/beauty_qwen3_8b.py --config.dry_run=True
 
-The plan is arithmetic over `jax.eval_shape` results on an abstract mesh of
-`config.hardware.num_devices` devices (0 = the devices present), so the 8-GPU plan of the paper
-configs prints on a laptop CPU. Per device:
-  * params, gradients: in `train.param_dtype` (master weights), sharded by
-    `train.logical_axis_rules` exactly as the training loop shards them (dgr2_jax.train.mesh);
-  * optimizer state: optax's state of `train.optimizer` (Adam mu/nu mirror the parameters and
-    share their sharding; counters replicated);
-  * per training stage (sft, teacher_rl, cft, opd, rl): activations, logits (in chunks of
-    positions) and OPD's teacher cache, plus the rollout decode, by the formulas of
-    `dgr2_jax/train/memory_plan.py` (the ones benchmarks/stage_memory.py measures on CPU); OPD
-    also holds a frozen copy of the teacher's params. The plan fits when its largest stage does.
-  * decode KV cache for `eval.batch_size` rows of prompt_len + decode.max_new_tokens (inference).
-The model is `model.init_from`'s config.json when set (weights are not read), else the
-architecture fields of `config.model` (vocab_size 0 => task.demo_vocab_size, an estimate).
+The same as `python -m dgr2_jax.main --config=... --config.dry_run=True`; the planner is
+`dgr2_jax/train/dry_run.py`.
 """
 
-from __future__ import annotations
-
-import json
-import math
 import os
 import sys
 
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-GIB = 2**30
+from absl import app  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 
+from dgr2_jax.train import dry_run  # noqa: E402
 
-def model_config_for(config):
-  from dgr2_jax.model.config import Qwen3Config
-  m = config.model
-  if m.init_from:
-    f = os.path.join(m.init_from, "config.json")
-    if not os.path.isfile(f):
-      raise FileNotFoundError(f"config.model.init_from: no config.json in {m.init_from!r}")
-    with open(f) as fh:
-      mc = Qwen3Config.from_hf_dict(json.load(fh))
-    return mc.replace(dtype=m.dtype, remat=bool(m.remat)), "init_from"
-  import dataclasses
-  fields = {f.name for f in dataclasses.fields(Qwen3Config)}
-  kw = {k: v for k, v in m.items() if k in fields}
-  src = "config.model"
-  if not kw.get("vocab_size"):
-    kw["vocab_size"] = int(config.task.demo_vocab_size)
-    src += " (vocab_size from task.demo_vocab_size: an estimate)"
-  return Qwen3Config(**kw), src
-
-
-def _dtype_bytes(name: str) -> int:
-  return {"float32": 4, "bfloat16": 2, "float16": 2}[name]
-
-
-def _sharded_bytes(shapes, shardings) -> int:
-  total = 0
-  for x, s in zip(np.asarray(_leaves(shapes), dtype=object), _leaves(shardings)):
-    total += math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-  return int(total)
-
-
-def _leaves(tree):
-  import jax
-  from jax.sharding import NamedSharding
-  return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, NamedSharding))
-
-
-def plan(config) -> dict:
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import AbstractMesh
-  from dgr2_jax.model import qwen3
-  from dgr2_jax.train import mesh as mesh_lib
-  from dgr2_jax.train import optim
-
-  mc, src = model_config_for(config)
-  n_dev = int(config.hardware.num_devices) or jax.device_count()
-  tc = config.train
-  dims = mesh_lib.mesh_shape(tc.mesh, n_dev)
-  mesh = AbstractMesh(tuple(dims), mesh_lib.AXES)
-  rules = tuple(tc.logical_axis_rules)
-  master = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[tc.param_dtype]
-
-  shapes = qwen3.param_shapes(mc)
-  shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, master), shapes)
-  p_sh = mesh_lib.param_shardings(shapes, mesh, rules)
-  optimizer, _ = optim.make_optimizer(tc.optimizer, int(tc.total_steps))
-  o_shapes = jax.eval_shape(optimizer.init, shapes)
-  o_sh = mesh_lib.opt_state_shardings(o_shapes, shapes, p_sh, mesh)
-  n_params = qwen3.count_params(shapes)
-  params_b = _sharded_bytes(shapes, p_sh)
-  opt_b = _sharded_bytes(o_shapes, o_sh)
-  grads_b = params_b
-
-  # Per training stage: activations, logits and teacher cache (dgr2_jax/train/memory_plan.py, the
-  # formulas benchmarks/stage_memory.py checks against measurements).
-  from dgr2_jax.train import memory_plan
-  on = tuple(config.pipeline.stages) if "pipeline" in config else memory_plan.TRAIN_STAGES
-  frozen_b = params_b * _dtype_bytes(mc.param_dtype) // _dtype_bytes(tc.param_dtype)  # a frozen teacher/ref copy
-  stages = []
-  for st in memory_plan.TRAIN_STAGES:
-    if st not in on:
-      continue
-    row = memory_plan.plan_stage(config, mc, st, dims)
-    teacher = frozen_b if st == "opd" else 0
-    row["frozen_teacher"] = teacher
-    row["total_train"] = params_b + opt_b + grads_b + teacher + max(row["total"], row["decode"])
-    stages.append(row)
-  total = max([r["total_train"] for r in stages] or [params_b + opt_b + grads_b])
-
-  eval_rows = int(config.eval.batch_size)
-  dec = config.get("decode")
-  tk = config.task
-  d = _dtype_bytes(mc.param_dtype if mc.dtype == "auto" else mc.dtype)  # 'auto': the params' dtype
-  kv = mc.num_key_value_heads * mc.head_dim
-  slots = int(tk.prompt_len) + (int(dec.max_new_tokens) if dec is not None else int(tk.response_len))
-  kv_b = int(mc.num_hidden_layers * 2 * eval_rows * slots * kv * d)
-  params_infer_b = int(n_params * _dtype_bytes(mc.param_dtype))
-  cap = float(config.hardware.device_memory_gb) * 1e9
-  return {
-      "model_source": src, "model": {k: getattr(mc, k) for k in (
-          "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-          "num_attention_heads", "num_key_value_heads", "head_dim", "dtype", "remat", "attention_impl")},
-      "num_params": n_params, "num_devices": n_dev,
-      "mesh": dict(zip(mesh_lib.AXES, dims)), "logical_axis_rules": [list(r) for r in rules],
-      "master_dtype": tc.param_dtype,
-      "per_device_bytes": {"params": params_b, "optimizer": opt_b, "gradients": grads_b,
-                           "total_train": total},
-      "stages": stages,
-      "inference_bytes": {"params_unsharded": params_infer_b, "kv_cache": kv_b,
-                          "eval_batch": eval_rows, "slots": slots},
-      "device_memory_bytes": cap or None,
-      "fits": (total <= cap) if cap else None,
-  }
-
-
-def format_plan(p: dict) -> str:
-  g = lambda b: f"{b / GIB:8.2f} GiB" if b >= GIB / 10 else f"{b / 2**20:8.2f} MiB"
-  m = p["model"]
-  pd = p["per_device_bytes"]
-  lines = [
-      f"model ({p['model_source']}): {p['num_params'] / 1e6:,.1f} M params; hidden "
-      f"{m['hidden_size']}, layers {m['num_hidden_layers']}, heads {m['num_attention_heads']}/"
-      f"{m['num_key_value_heads']}, head_dim {m['head_dim']}, vocab {m['vocab_size']}, "
-      f"compute {m['dtype']}, remat {m['remat']}, attention {m['attention_impl']}",
-      f"mesh over {p['num_devices']} devices: " + " x ".join(f"{k}={v}" for k, v in p["mesh"].items()),
-      f"per-device memory (train; master weights {p['master_dtype']}):",
-      f"  params       {g(pd['params'])}",
-      f"  optimizer    {g(pd['optimizer'])}",
-      f"  gradients    {g(pd['gradients'])}",
-  ]
-  cap = p["device_memory_bytes"]
-  if p["stages"]:
-    lines.append("  per training stage (rows x sequence per device and micro-batch; logits in chunks of positions):")
-    lines.append(f"    {'stage':<11}{'rows x T':>13}{'activations':>14}{'logits':>13}{'teacher cache':>15}"
-                 f"{'rollout decode':>16}{'total':>13}  fits")
-    for r in p["stages"]:
-      fits = "-" if not cap else ("yes" if r["total_train"] <= cap else "NO")
-      lines.append(f"    {r['stage']:<11}{str(r['rows_per_device']) + ' x ' + str(r['sequence']):>13}"
-                   f"{g(r['activations']):>14}{g(r['logits']):>13}{g(r['teacher_cache']):>15}"
-                   f"{g(r['decode']):>16}{g(r['total_train']):>13}  {fits}")
-  lines.append(f"  total (largest stage) {g(pd['total_train'])}")
-  if cap:
-    lines.append(f"  device       {g(cap)}  -> {'fits' if p['fits'] else 'DOES NOT FIT'} "
-                 f"({100 * pd['total_train'] / cap:.0f}% used by the largest stage)")
-  inf = p["inference_bytes"]
-  lines.append(f"inference: params {g(inf['params_unsharded'])} unsharded, KV cache "
-               f"{g(inf['kv_cache'])} for {inf['eval_batch']} rows x {inf['slots']} slots")
-  return "\n".join(lines)
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).")
 
 
 def main(argv):
   del argv
-  config = _CONFIG.value
-  print(format_plan(plan(config)), flush=True)
+  print(dry_run.format_plan(dry_run.plan(_CONFIG.value)), flush=True)
 
 
 if __name__ == "__main__":
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from absl import app
-  from ml_collections import config_flags
-  _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).")
   app.run(main)

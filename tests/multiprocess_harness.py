@@ -40,5 +40,6 @@ def launch(n: int, k: int, argv: list[str], *, env: dict | None = None, delays: 
 
 def check(res: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
   """Asserts exit 0, showing the tail of both streams otherwise."""
-  assert res.returncode == 0, f"exit {res.returncode}\n--- stdout\n{res.stdout[-4000:]}\n--- stderr\n{res.stderr[-6000:]}"
+  assert res.returncode == 0, (f"exit {res.returncode}\n--- stdout\n{res.stdout[-4000:]}\n"
+                               f"--- stderr\n{res.stderr[-6000:]}")
   return res

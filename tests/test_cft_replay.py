@@ -1,4 +1,4 @@
-"""CFT and trajectory replay compute the decoder's function (../shared/design/block-diffusion.md)."""
+"""CFT and trajectory replay compute the decoder's function (docs/design.md)."""
 
 import jax
 import jax.numpy as jnp
@@ -40,11 +40,10 @@ def test_cft_logits_equal_decoder_cache_path(tiny_lm):
   # The decoder's path: prefill, K/V writes of clean blocks, then a forward of the canvas.
   p = batch["prompt_ids"].shape[1]
   s = p + r
-  ids = masks.slot_block_ids(p, s, bs)
-  valid = masks.left_pad_valid(batch["prompt_len"], p, s)
   pos = masks.left_pad_positions(batch["prompt_len"], p, s)
   cache = qwen3.init_cache(cfg, 3, s)
-  lg, cache = sampler.window_forward(cfg, params, jnp.asarray(batch["prompt_ids"]), 0, cache, batch["prompt_len"], p, pos)
+  lg, cache = sampler.window_forward(cfg, params, jnp.asarray(batch["prompt_ids"]), 0, cache, batch["prompt_len"], p,
+                                     pos)
   carry = lg[:, -1]
   checked = 0
   for j in range(nb):
@@ -74,11 +73,11 @@ def test_cft_b1_full_mask_equals_sft(tiny_lm):
   sft, _ = losses.sft_loss(cfg, params, batch, **kw)
   for weighting in cft.WEIGHTINGS:
     loss, _ = cft.cft_loss(cfg, params, batch, jax.random.PRNGKey(0), block_size=1, mask_id=63,
-                           fixed_t=1.0, weighting=weighting, **kw)
+                           options=cft.LossOptions(fixed_t=1.0, weighting=weighting, **kw))
     np.testing.assert_allclose(float(loss), float(sft), rtol=1e-5)
   # And with B > 1 the objective is a different function (the test above can fail).
   loss4, _ = cft.cft_loss(cfg.as_block_diffusion(4, 63), params, batch, jax.random.PRNGKey(0), block_size=4,
-                          mask_id=63, fixed_t=1.0, **kw)
+                          mask_id=63, options=cft.LossOptions(fixed_t=1.0, **kw))
   assert abs(float(loss4) - float(sft)) > 1e-3
 
 
@@ -102,11 +101,13 @@ def test_cft_choice_weight_equals_weighted_sft(tiny_lm):
       w[i, j] = 0.5 * 5.0 if chosen else (0.5 if batch["reasoning_mask"][i, j] else 2.0)
   assert (w == 2.5).sum() == 2
   ref = (w * nll).sum() / w.sum()
-  kw = dict(block_size=1, mask_id=63, fixed_t=1.0, weighting="none", reasoning_weight=0.5, answer_weight=2.0)
-  loss, _ = cft.cft_loss(cfg, params, batch, jax.random.PRNGKey(0), choice_weight=5.0, choice_after_id=hash_id, **kw)
+  kw = dict(fixed_t=1.0, weighting="none", reasoning_weight=0.5, answer_weight=2.0)
+  loss_fn = lambda **o: cft.cft_loss(cfg, params, batch, jax.random.PRNGKey(0), block_size=1, mask_id=63,
+                                     options=cft.LossOptions(**o, **kw))
+  loss, _ = loss_fn(choice_weight=5.0, choice_after_id=hash_id)
   np.testing.assert_allclose(float(loss), ref, rtol=1e-5)
-  plain, _ = cft.cft_loss(cfg, params, batch, jax.random.PRNGKey(0), **kw)
-  same, _ = cft.cft_loss(cfg, params, batch, jax.random.PRNGKey(0), choice_weight=1.0, choice_after_id=hash_id, **kw)
+  plain, _ = loss_fn()
+  same, _ = loss_fn(choice_weight=1.0, choice_after_id=hash_id)
   np.testing.assert_allclose(float(same), float(plain), rtol=1e-6)
   assert abs(float(loss) - float(plain)) > 1e-4
 
@@ -122,7 +123,7 @@ def test_replay_logprobs_equal_decode_logprobs(tiny_lm, bs, taus):
   for tau in taus:
     for temp in (0.0, 1.0):
       dc = sampler.DecodeConfig(block_size=bs, threshold=tau, temperature=temp, max_new_tokens=r, eos_ids=(5,),
-                                mask_token_id=63, pad_id=0)
+                                mask_token_id=63, pad_id=0, steps_per_block=0)
       out = sampler.generate(cfg, params, PROMPTS, dc, rng=jax.random.PRNGKey(11))
       seg = replay.build_segments(out["tokens"], out["commit_step"], bs, bs, 63)
       assert seg["exact"].all()

@@ -81,9 +81,11 @@ def test_fit_prefers_the_tier_that_picks_the_target_more_often_than_the_top_pick
   # "Often bought next" at #4 is the target 3 times in 4; same brand at #2 once in 4.
   rels, tpos = [], []
   for t in (3, 3, 3, 0):
-    rels.append([(None, TP), (None, TP), (None, TP), (OFTEN, TP)]); tpos.append(t)
+    rels.append([(None, TP), (None, TP), (None, TP), (OFTEN, TP)])
+    tpos.append(t)
   for t in (1, 0, 0, 2):
-    rels.append([(None, TP), (None, SB), (None, TP), (None, TP)]); tpos.append(t)
+    rels.append([(None, TP), (None, SB), (None, TP), (None, TP)])
+    tpos.append(t)
   best, grid = policy.fit(rels, tpos, policy.GRID_TIERS_NEXT)
   assert best == {"tiers": [OFTEN], "reach": 5}    # reach 2, 3 miss #4; 5 and 10 tie
   assert policy.evaluate(rels, tpos, best)["recall@1"] == pytest.approx(5 / 8)
@@ -109,15 +111,15 @@ def test_brief_rationale_is_cut_to_its_token_budget():
   cands = [item("Zed", "Toner"), item("Acme", "Brush")]
   words = lambda s: len(s.split())
   full, _ = rationale.generate(hist, ["<a>"], cands, ["<b>", "<c>"], None, knows_target=False,
-                               style="brief", first=0, relation_text=TP, count_fn=words)
+                               style="brief", pick=rationale.Pick(0, TP), count_fn=words)
   assert full.startswith("Recent Mally Beauty Volumizing Black Boxed Mascara. Top pick #1.")
   n = words(full)
   cut, _ = rationale.generate(hist, ["<a>"], cands, ["<b>", "<c>"], None, knows_target=False,
-                              style="brief", first=0, relation_text=TP, count_fn=words,
+                              style="brief", pick=rationale.Pick(0, TP), count_fn=words,
                               target_tokens=n - 3)
   assert cut == full.replace(" Black Boxed Mascara.", ".") and words(cut) == n - 3
   tiny, _ = rationale.generate(hist, ["<a>"], cands, ["<b>", "<c>"], None, knows_target=False,
-                               style="brief", first=0, relation_text=TP, count_fn=words,
+                               style="brief", pick=rationale.Pick(0, TP), count_fn=words,
                                target_tokens=1)
   assert tiny.startswith("Recent Mally. Top pick #1.")   # at least one word is kept
 

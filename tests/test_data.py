@@ -2,7 +2,6 @@
 
 import collections
 import gzip
-import json
 import os
 
 import ml_collections

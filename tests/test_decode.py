@@ -14,6 +14,7 @@ R = 16
 
 def _dc(bs, tau, r=R, **kw):
   kw.setdefault("eos_ids", (5,))
+  kw.setdefault("steps_per_block", 0)   # no step budget unless a test sets one
   return sampler.DecodeConfig(block_size=bs, threshold=tau, max_new_tokens=r, mask_token_id=63, pad_id=0, **kw)
 
 

@@ -220,7 +220,8 @@ mesh = dmesh.make_mesh(1, 8)
 shapes = qwen3.param_shapes(cfg)
 params = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
                                 dmesh.param_shardings(mesh, shapes))
-per_dev = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+per_dev = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+              for x in jax.tree_util.tree_leaves(params))
 total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
 rows = dmesh.sharding(mesh, ("batch", None), (1, 2200))
 _, fn = sampler.decoder_for(cfg, sampler.decode_config_for(cfg, block_size=1, threshold=1.0, max_new_tokens=64), mesh)

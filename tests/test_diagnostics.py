@@ -111,3 +111,76 @@ def test_policy_picks_cut_the_history_as_the_prompt_does():
   assert diag.policy_picks([pred], items, full, max_history=0) == {5: 2}   # brand A seen -> #3
   assert diag.policy_picks([pred], items, full, max_history=1) == {5: 0}   # only X shown -> #1
   assert diag.policy_picks([pred], items, dict(full, reach=2), max_history=0) == {5: 0}
+
+
+def test_policy_picks_equal_the_traces_stages_picks():
+  """With next-purchase counts in the prompt (task.mark_copurchase), the ladder's policy_agreement
+  compares with the picks the traces stage's policy makes (counts included), not a brand-only
+  policy's."""
+  import ml_collections
+  from dgr2_jax.stages import traces as traces_stage
+  from dgr2_jax.task import copurchase, policy as policy_lib, traces as traces_lib
+  rs = np.random.RandomState(0)
+  n_items = 20
+  items = {i: {"item": i, "brand": f"b{i % 4}", "categories": ["Beauty", f"leaf{i % 3}"]}
+           for i in range(n_items)}
+  sequences = [[int(x) for x in rs.randint(0, n_items, 6)] for _ in range(300)]
+  candidates = np.array([rs.choice(n_items, 10, replace=False) for _ in sequences])
+  exs, _ = traces_lib.build_examples(sequences, candidates, "test", bought_next=True)
+  assert len(exs) > 100
+  tc = ml_collections.ConfigDict({"max_history": 3, "mark_copurchase": True})
+  policy = {"tiers": list(copurchase.TIERS) + ["Same brand"], "reach": 10}
+  stage = [policy_lib.choose_from(r, policy) for r in traces_stage._relations(exs, items, tc)]
+  preds = [{"example_id": e["example_id"], "history": e["history"], "candidates": e["candidates"]}
+           for e in exs]
+  nxt = {e["example_id"]: e["bought_next"] for e in exs}
+  picks = diag.policy_picks(preds, items, policy, 3, bought_next=nxt)
+  assert [picks[e["example_id"]] for e in exs] == stage
+  brand_only = diag.policy_picks(preds, items, {"tiers": ["Same brand"], "reach": 10}, 3)
+  assert sum(brand_only[i] != picks[i] for i in picks) > 10   # the counts change many picks
+  with pytest.raises(ValueError, match="bought_next"):
+    diag.policy_picks(preds, items, policy, 3)
+
+
+def test_rule_rows_score_their_picks_like_a_model():
+  picks = {0: 0, 1: 2, 2: 1, 3: 0, 4: 3}   # the picks of MODEL, the fallback's as #1
+  preds = diag.rule_predictions(MODEL, picks)
+  assert [diag.first_pick(p) for p in preds] == [0, 2, 1, 0, 3]
+  assert all(sorted(p["ranking_items"]) == sorted(CANDS) for p in preds)
+  assert diag.rule_row("rule", preds) == {"method": "rule", "recall@1": 2 / 5, "n": 5}
+  assert [diag.most_bought_next(c) for c in ([0, 0, 0], [0, 2, 2], [1, 0, 3])] == [0, 1, 2]
+
+
+def test_the_ladders_rule_picks_read_the_prompts_evidence(tmp_path, monkeypatch):
+  """`pipeline.rule_picks` on evaluated users: the most-bought-next rule from the counts the
+  prompts show, the trace policy's picks from `traces/policy.json` with those counts, both equal
+  to what the traces stage's examples give."""
+  import json
+  import ml_collections
+  from dgr2_jax.data import api
+  from dgr2_jax.stages import pipeline
+  from dgr2_jax.stages import traces as traces_stage
+  from dgr2_jax.task import copurchase, policy as policy_lib, traces as traces_lib
+  rs = np.random.RandomState(1)
+  items = [{"item": i, "brand": f"b{i % 4}", "categories": ["Beauty", f"leaf{i % 3}"]} for i in range(20)]
+  sequences = [[int(x) for x in rs.randint(0, 20, 6)] for _ in range(300)]
+  candidates = np.array([rs.choice(20, 10, replace=False) for _ in sequences])
+  exs, _ = traces_lib.build_examples(sequences, candidates, "valid", bought_next=True)
+  preds = [{"example_id": e["example_id"], "history": e["history"], "candidates": e["candidates"]} for e in exs]
+  policy = {"tiers": list(copurchase.TIERS) + ["Same brand"], "reach": 10}
+  (tmp_path / "traces").mkdir()
+  (tmp_path / "traces" / "policy.json").write_text(json.dumps({"policy": policy}))
+  monkeypatch.setattr(api, "load_sequences", lambda w: sequences)
+  monkeypatch.setattr(api, "load_items", lambda w: items)
+  config = ml_collections.ConfigDict({"task": {"mark_copurchase": True, "max_history": 3}})
+  rules = pipeline.rule_picks(config, str(tmp_path), preds, "valid")
+  assert set(rules) == {"rule_bought_next", "rule_policy"}
+  assert [rules["rule_bought_next"][e["example_id"]] for e in exs] == [
+      int(np.argmax(e["bought_next"])) if max(e["bought_next"]) else 0 for e in exs]
+  tc = ml_collections.ConfigDict({"max_history": 3, "mark_copurchase": True})
+  assert [rules["rule_policy"][e["example_id"]] for e in exs] == [
+      policy_lib.choose_from(r, policy) for r in traces_stage._relations(exs, items, tc)]
+  with config.unlocked():
+    config.task.mark_copurchase = False   # prompts without counts: no count rule, the policy needs them
+  with pytest.raises(ValueError, match="bought_next"):
+    pipeline.rule_picks(config, str(tmp_path), preds, "valid")

@@ -122,7 +122,8 @@ def _toy_reward(roll):
 
 def test_grpo_update_raises_toy_reward(toy):
   cfg, params, dc, prompts, lens = toy
-  loss_fn = lambda p, batch: grpo.grpo_loss(cfg, p, batch, None, block_size=BS, clip_low=0.2, clip_high=0.28,
+  loss_fn = lambda p, batch: grpo.grpo_loss(cfg, p, batch, None, block_size=BS,
+                                            objective=grpo.Objective(clip_low=0.2, clip_high=0.28),
                                             temperature=1.0, mask_id=63)
   grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
   opt = optax.adam(3e-2)

@@ -16,6 +16,7 @@ from dgr2_jax import results
 from dgr2_jax.stages import bench as bench_stage
 from dgr2_jax.stages import common
 from dgr2_jax.stages import pipeline
+from dgr2_jax.train import dry_run as dry
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = ("demo.py", "beauty_cpu.py", "beauty_qwen3_0p6b.py", "beauty_qwen3_8b.py", "generate.py")
@@ -211,7 +212,6 @@ def qwen3_param_count(v, h, i, n_layers, heads, kv, hd, tied):
 
 
 def test_dry_run_plan_for_8_gpus():
-  dry = main_lib.load_dry_run()
   c = load_config("beauty_qwen3_8b.py")
   p = dry.plan(c)
   n = qwen3_param_count(151936, 4096, 12288, 36, 32, 8, 128, tied=False)
@@ -287,7 +287,8 @@ def test_ladder_uses_each_model_and_ar_decoding(tmp_path, monkeypatch):
   """run_ladder with the eval stage replaced: which model/decode each row gets, and the table."""
   workdir = str(tmp_path)
   c = load_config("demo.py", "opd_no_rl")
-  with c.unlocked():   # the diffusion rows' tau and budget; AR rows decode at 1.0, the speculative row drafts at decode's
+  # The diffusion rows' tau and budget; AR rows decode at 1.0, the speculative row drafts at decode's.
+  with c.unlocked():
     c.pipeline.ladder_threshold, c.decode.threshold = 0.7, 0.8
     c.pipeline.ladder_steps_per_block, c.decode.steps_per_block = 0, 8
   for s in ("sft", "teacher_rl", "convert", "cft"):  # opd not built: its rows are skipped

@@ -11,7 +11,7 @@ import pytest
 
 from dgr2_jax.decode import sampler
 from dgr2_jax.model import masks, qwen3
-from dgr2_jax.train import opd, replay, rollouts
+from dgr2_jax.train import loop, opd, replay, rollouts
 from dgr2_jax.train import config as train_config_lib
 
 PROMPTS = [[7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [21, 22, 23]]
@@ -136,8 +136,7 @@ def test_prefix_context_is_the_decoder_on_left_to_right_canvases(setup):
   logits = np.asarray(replay.replay_logits(bcfg, params, toks, lens, {k: seg[k] for k in rollouts.SEGMENT_KEYS}, bs))
   p, clean = toks.shape[1], seg["clean"]
   s = p + R
-  ids, valid, pos = (masks.slot_block_ids(p, s, bs), masks.left_pad_valid(lens, p, s),
-                     masks.left_pad_positions(lens, p, s))
+  pos = masks.left_pad_positions(lens, p, s)
   lg, cache = sampler.window_forward(bcfg, params, jnp.asarray(toks), 0, qwen3.init_cache(bcfg, len(toks), s),
                                      lens, p, pos)
   carry = np.asarray(lg[:, -1])
@@ -232,13 +231,40 @@ def test_on_policy_loop_logs_host_metrics_and_resumes(setup, tmp_path):
   assert all(k in recs[-1] for k in ("loss", "mean_nfe", "rollout_time_s", "update_time_s", "kl_to_teacher"))
 
 
+def test_on_policy_run_leaves_the_callers_params_intact(setup, tmp_path):
+  """The train state owns its arrays: the params a caller starts an on-policy run from are neither
+  donated nor changed, and stay usable afterwards."""
+  cfg, teacher, _, toks, lens = setup
+  bcfg = cfg.as_block_diffusion(4, 63)
+  params = qwen3.init_params(cfg, jax.random.PRNGKey(4))   # float32 jax arrays: no cast, so no copy by the cast
+  # A device copy: a host copy (device_get) would hold a reference to the buffers on CPU, and JAX
+  # does not donate a buffer referenced from outside, which would hide a donated caller's array.
+  before = jax.tree_util.tree_map(jnp.copy, params)
+  prompts = {"prompt_ids": toks, "prompt_len": lens}
+
+  def make_batch(p, pr, key):
+    roll = rollouts.sample(bcfg, p, pr["prompt_ids"], pr["prompt_len"], _dc(4, 0.5), key, G)
+    return _batch(cfg, teacher, roll, rollouts.replay_inputs(roll, 4, 63)), {}
+
+  loss_fn = lambda p, b, rng: opd.opd_loss(bcfg, p, b, rng, block_size=4)
+  state = rollouts.train_on_policy(_loop_config(steps=2), str(tmp_path), params=params, loss_fn=loss_fn,
+                                   make_batch=make_batch, prompt_iter=iter(lambda: dict(prompts), None))
+  assert int(state["step"]) == 2
+  assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(params))
+  jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(params), jax.device_get(before))
+  assert not np.allclose(np.asarray(jax.tree_util.tree_leaves(state["params"])[0]),
+                         np.asarray(jax.tree_util.tree_leaves(before)[0]))   # the run trained its own copy
+  batch, _ = make_batch(params, prompts, jax.random.PRNGKey(0))   # still usable
+  assert np.isfinite(float(loss_fn(params, batch, jax.random.PRNGKey(0))[0]))
+
+
 @pytest.mark.parametrize("rates,best", [((1.0, 0.8, 0.8), 2), ((1.0, 0.8, 0.9), 3)])
 def test_on_policy_validation_curve_keeps_the_best_point(setup, tmp_path, rates, best):
   """`validate` runs before step 1, every `validate_every` steps and at the last; `keep_best`
   returns the params the best validation Recall@1 was measured on (ties: the higher valid rate,
   then the earliest)."""
   cfg, teacher, _, toks, lens = setup
-  # Fresh params: the on-policy loop donates the params it starts from (other tests' `other`).
+  # Params of its own (not the fixture's `other`).
   other = jax.tree_util.tree_map(lambda x: x * 8 if x.ndim == 2 else x, qwen3.init_params(cfg, jax.random.PRNGKey(2)))
   bcfg = cfg.as_block_diffusion(4, 63)
   config = _loop_config(steps=3)
@@ -259,8 +285,7 @@ def test_on_policy_validation_curve_keeps_the_best_point(setup, tmp_path, rates,
   loss_fn = lambda p, b, rng: opd.opd_loss(bcfg, p, b, rng, block_size=4)
   state = rollouts.train_on_policy(config, str(tmp_path), params=other, loss_fn=loss_fn,
                                    make_batch=make_batch, prompt_iter=iter(lambda: dict(prompts), None),
-                                   desc="curve-test", validate=validate, validate_every=2,
-                                   keep_best=True)
+                                   desc="curve-test", validation=loop.Validation(validate, 2, keep_best=True))
   assert [c["step"] for c in state["valid_curve"]] == [0, 2, 3] and state["best_step"] == best
   assert len(seen) == 3 and not np.allclose(seen[1], seen[2])
   np.testing.assert_array_equal(np.asarray(jax.tree_util.tree_leaves(state["params"])[0]),

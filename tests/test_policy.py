@@ -33,11 +33,14 @@ def test_fit_overrides_only_on_evidence_that_beats_the_top_pick():
   # twice there: the best policy overrides on same brand only.
   rels, tpos = [], []
   for t in (2, 2, 2, 0):
-    rels.append([TP, TP, SB, TP]); tpos.append(t)
+    rels.append([TP, TP, SB, TP])
+    tpos.append(t)
   for t in (1, 0, 0, 3):
-    rels.append([TP, ST, TP, TP]); tpos.append(t)
+    rels.append([TP, ST, TP, TP])
+    tpos.append(t)
   for t in (0, 0, 3, -1):             # nothing to go on; one target not listed (ignored)
-    rels.append([TP, TP, TP, TP]); tpos.append(t)
+    rels.append([TP, TP, TP, TP])
+    tpos.append(t)
   best, grid = policy.fit(rels, tpos)
   assert best == {"tiers": [SB], "reach": 3}  # reach 3 and 5, 10 tie; the smallest is first
   row = policy.evaluate(rels, tpos, best)
@@ -79,7 +82,7 @@ def test_brief_rationale_names_the_deciding_relation_without_sids():
   hist = [item("Acme", "Mascara")]
   cands = [item("Zed", "Toner"), item("Acme", "Brush")]
   text, order = rationale.generate(hist, ["<a_1>"], cands, ["<b_1>", "<b_2>"], None,
-                                   knows_target=False, style="brief", first=1, relation_text=SB)
+                                   knows_target=False, style="brief", pick=rationale.Pick(1, SB))
   assert order == [1, 0] and "<" not in text
   assert text == ("Recent Acme Mascara. Same brand #2. So #2 goes first, the others keep their "
                   "order.")

@@ -5,7 +5,6 @@ decoding with stacked params equals decoding with per-layer ones."""
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -1,6 +1,11 @@
 """The serving engine against the batch decoders, and the HTTP server as a subprocess."""
 
 import concurrent.futures
+import contextlib
+import itertools
+import socket
+import subprocess
+import threading
 import time
 
 import numpy as np
@@ -242,7 +247,91 @@ def test_server_over_http(smoke_workdir):
     client.stop_server(proc)
 
 
-def test_ray_serve_two_replicas(smoke_workdir):
+def _stub_service():
+  """A stand-in `Service` that is ready at once (the HTTP layer's own checks need no model)."""
+  import types
+  sched = types.SimpleNamespace(start=lambda: None, drain=lambda timeout: None, error=None)
+  opts = types.SimpleNamespace(slots=1, steps_per_round=1, policy="continuous")
+  return types.SimpleNamespace(scheduler=sched, warmup=lambda: None, modes=("threshold",), options=opts,
+                               model_dir="m", verifier_dir="v", num_candidates=10, max_new_tokens=8)
+
+
+@contextlib.contextmanager
+def _app_on_socket(app):
+  """Serves `app` with uvicorn from a thread on a free port of 127.0.0.1 -> the port."""
+  uvicorn = pytest.importorskip("uvicorn")
+  from dgr2_jax.serve import client
+  port = client.free_port()
+  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+  thread = threading.Thread(target=server.run, daemon=True)
+  thread.start()
+  try:
+    t_end = time.monotonic() + 60
+    while not server.started:
+      assert thread.is_alive() and time.monotonic() < t_end, "server did not start"
+      time.sleep(0.05)
+    yield port
+  finally:
+    server.should_exit = True
+    thread.join(30)
+
+
+def _post_slowly(port: int, body: bytes) -> tuple[int, bytes]:
+  """POST /v1/rerank over a plain socket as a client on a slow link does it: the headers (with
+  `Connection: close`), a pause in which the server sees the Content-Length, then the body in
+  pieces; then the whole answer, to the server's close -> (status, answer body)."""
+  with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+    s.sendall(b"POST /v1/rerank HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+    time.sleep(0.02)
+    for i in range(0, len(body), 1 << 16):
+      s.sendall(body[i:i + (1 << 16)])
+    data = b""
+    while chunk := s.recv(1 << 16):
+      data += chunk
+  head, _, answer = data.partition(b"\r\n\r\n")
+  return int(head.split(b" ", 2)[1]), answer
+
+
+def test_oversize_bodies_all_get_413():
+  """20 bodies over --max_body_bytes in a row, each sent after its headers: every client reads its
+  413 (the server reads the rest of the body before answering instead of closing on a client that
+  is still sending), and the server still answers afterwards."""
+  pytest.importorskip("starlette")
+  import json
+  from dgr2_jax.serve import app as app_lib
+  with _app_on_socket(app_lib.build_app(_stub_service, max_body_bytes=1024)) as port:
+    out = []
+    for _ in range(20):
+      try:
+        out.append(_post_slowly(port, b"x" * (1 << 19)))
+      except OSError as e:          # BrokenPipeError, ConnectionResetError: the answer was lost
+        out.append((type(e).__name__, b""))
+    assert [status for status, _ in out] == [413] * 20, out
+    assert all(json.loads(answer)["error"].startswith("body:") for _, answer in out)
+    status, answer = _post_slowly(port, b"{bad")
+    assert status == 400 and json.loads(answer)["error"].startswith("body:")
+
+
+def test_app_starts_without_deprecation_warning():
+  """Building the app and running its lifespan (start, then drain) warns nothing deprecated."""
+  pytest.importorskip("starlette")
+  pytest.importorskip("httpx")
+  import warnings
+  from starlette.testclient import TestClient
+  from dgr2_jax.serve import app as app_lib
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with TestClient(app_lib.build_app(_stub_service)) as http:
+      t_end = time.monotonic() + 30
+      while http.get("/readyz").status_code != 200:
+        assert time.monotonic() < t_end, "not ready"
+        time.sleep(0.05)
+  deprecated = [w for w in caught if issubclass(w.category, DeprecationWarning) or "deprecat" in str(w.message).lower()]
+  assert not deprecated, [str(w.message) for w in deprecated]
+
+
+def test_ray_serve_two_replicas(smoke_workdir, tmp_path):
   """Two replicas behind Ray Serve on a local Ray instance answer as evaluation did (and so as one
   server does), both replicas taking requests. Skipped without the `serve-ray` extra."""
   pytest.importorskip("ray.serve")
@@ -258,7 +347,10 @@ def test_ray_serve_two_replicas(smoke_workdir):
   cmd = [sys.executable, "-m", "dgr2_jax.serve.ray_app", "--config=configs/demo.py:smoke",
          f"--workdir={smoke_workdir}", "--replicas=2", "--modes=threshold", "--slots=2", "--host=127.0.0.1",
          f"--port={port}", "--replica_cpus=0.5"]
-  proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  log = open(tmp_path / "ray_app.log", "w+")   # a file: Ray's request logs would fill a pipe under load
+  # Its own process group, as a supervisor starts it (the SIGTERM below goes to the whole group).
+  proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
   url = f"http://127.0.0.1:{port}"
   try:
     def ready_pid(_):
@@ -269,7 +361,7 @@ def test_ray_serve_two_replicas(smoke_workdir):
         return None
     t_end = time.monotonic() + 900
     while True:   # until both replicas answer /readyz
-      assert proc.poll() is None, proc.stdout.read()[-3000:]
+      assert proc.poll() is None, (tmp_path / "ray_app.log").read_text()[-3000:]
       assert time.monotonic() < t_end, "Ray Serve not ready"
       with concurrent.futures.ThreadPoolExecutor(8) as ex:
         if len(set(ex.map(ready_pid, range(8))) - {None}) == 2:
@@ -289,8 +381,57 @@ def test_ray_serve_two_replicas(smoke_workdir):
       assert r.json()["nfe"] == rows[i]["nfe"]
       pids.add(r.headers["x-dgr2-pid"])
     assert len(pids) == 2, pids
+    # SIGTERM to the launcher's process group under load: the requests in flight are answered, new
+    # ones are turned away (503, then refused) and the launcher exits 0 within 15 s.
+    before, after, rc, took = _sigterm_group_under_load(proc, url, [dict(imp, threshold=tau) for imp in imps])
+    assert rc == 0 and took < 15, (rc, took, (tmp_path / "ray_app.log").read_text()[-3000:])
+    assert before and all(status == 200 for _, status in before), before
+    assert all(status in (200, 503) or isinstance(status, str) for _, status in after)
+    assert not [t for t, status in after if status == 200 and t > 1.0], after
   finally:
     client.stop_server(proc, timeout=120)
+
+
+def _sigterm_group_under_load(proc, url, bodies, clients=8, load_s=3.0):
+  """Keeps `clients` clients posting `bodies` to /v1/rerank, sends SIGTERM to `proc`'s process group
+  after `load_s`, waits for it -> (status of each request open at the signal, (seconds after the
+  signal, status) of each request sent after it, exit code, seconds to exit). A status is the HTTP
+  code or the name of the client's error."""
+  import os
+  import signal
+  import httpx
+  records, stop = [], threading.Event()
+
+  def post_until_stopped(k):
+    with httpx.Client(timeout=60) as http:
+      for i in itertools.count(k):
+        if stop.is_set():
+          return
+        t0 = time.monotonic()
+        try:
+          status = http.post(url + "/v1/rerank", json=bodies[i % len(bodies)]).status_code
+        except httpx.HTTPError as e:
+          status = type(e).__name__
+          time.sleep(0.05)
+        records.append((t0, time.monotonic(), status))
+
+  threads = [threading.Thread(target=post_until_stopped, args=(k,), daemon=True) for k in range(clients)]
+  for t in threads:
+    t.start()
+  time.sleep(load_s)
+  t_sig = time.monotonic()
+  os.killpg(proc.pid, signal.SIGTERM)
+  try:
+    rc = proc.wait(60)
+  except subprocess.TimeoutExpired:
+    rc = None
+  took = time.monotonic() - t_sig
+  stop.set()
+  for t in threads:
+    t.join(90)
+  before = [(t1 - t_sig, status) for t0, t1, status in records if t0 < t_sig <= t1]
+  after = [(t0 - t_sig, status) for t0, _, status in records if t0 >= t_sig]
+  return before, after, rc, took
 
 
 def test_serve_replay_matches_modes_to_ladder_rows(tmp_path):

@@ -18,7 +18,8 @@ KEYS = ("tokens", "round_accepts", "rounds", "drafter_passes", "accepted", "eos_
 
 
 def _peaked(cfg, seed, scale=8.0):
-  return jax.tree_util.tree_map(lambda x: x * scale if x.ndim == 2 else x, qwen3.init_params(cfg, jax.random.PRNGKey(seed)))
+  params = qwen3.init_params(cfg, jax.random.PRNGKey(seed))
+  return jax.tree_util.tree_map(lambda x: x * scale if x.ndim == 2 else x, params)
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,7 @@ def models(tiny_lm):
 
 def _dc(bs, tau, r=R, **kw):
   kw.setdefault("eos_ids", (5,))
+  kw.setdefault("steps_per_block", 0)   # no step budget
   return sampler.DecodeConfig(block_size=bs, threshold=tau, max_new_tokens=r, mask_token_id=63, pad_id=0, **kw)
 
 
@@ -158,8 +160,8 @@ def test_sampled_outputs_follow_the_verifiers_distribution():
   for tau, accept_all in ((1.0, False), (0.01, False), (1.0, True)):
     dc = sampler.DecodeConfig(block_size=2, threshold=tau, temperature=temp, max_new_tokens=2, eos_ids=(),
                               mask_token_id=5, pad_id=0)
-    out = speculative.generate(cfg, drafter, cfg, verifier, [prompt] * n, dc, rng=jax.random.PRNGKey(0),
-                               accept_all=accept_all)
+    fn = speculative.decoder_for(cfg, cfg, dc, accept_all=accept_all)
+    out = speculative.generate_with(fn, (drafter, verifier), [prompt] * n, dc, rng=jax.random.PRNGKey(0))
     counts = {}
     for row in out["tokens"]:
       counts[tuple(int(t) for t in row)] = counts.get(tuple(int(t) for t in row), 0) + 1

@@ -87,7 +87,7 @@ def test_prompt_content_and_lossless_decode(tok, data):
       assert msgs[0]["role"] == "system" and "re-ranker" in msgs[0]["content"]
     for i in hist + cands:
       assert sids[i] in msgs[-1]["content"]
-    ids, dropped = prompts.render_prompt_ids(tok, hist, cands, items, sids, variant=variant)
+    ids, dropped = prompts.render_prompt_ids(tok, hist, cands, items, sids, style=prompts.PromptStyle(variant))
     assert dropped == 0
     assert tok.decode(ids) == prompts.render_prompt_text(tok, msgs)
   full = prompts.build_messages(hist, cands, items, sids, "full")[1]["content"]

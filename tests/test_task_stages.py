@@ -11,7 +11,7 @@ import pytest
 from dgr2_jax.decode import runtime
 from dgr2_jax.stages import eval as eval_stage
 from dgr2_jax.stages import traces as traces_stage
-from dgr2_jax.task import answer, config, metrics, pipeline, synthetic, traces
+from dgr2_jax.task import answer, config, metrics, synthetic, traces
 from dgr2_jax.task import tokenizer as tok_lib
 
 DATA = synthetic.make(n_items=80, n_users=40, seed=1)
@@ -188,9 +188,9 @@ def test_bench_rows_share_one_loaded_copy_of_each_model(traced, workdir, tmp_pat
   final, ar = str(tmp_path / "final"), str(tmp_path / "ar")
   models = {}
   for tau in (0.9, 0.5):
-    bench_stage.measure(cfg, workdir, final, 4, tau, str(tmp_path / f"t{tau}"),
+    bench_stage.measure(cfg, workdir, bench_stage.Row(final, 4, tau), str(tmp_path / f"t{tau}"),
                         generate_fn=bench_stage.TimedGenerate(fake), models=models)
-  bench_stage.measure(cfg, workdir, ar, 1, 1.0, str(tmp_path / "ar_row"),
+  bench_stage.measure(cfg, workdir, bench_stage.Row(ar, 1, 1.0), str(tmp_path / "ar_row"),
                       generate_fn=bench_stage.TimedGenerate(fake), models=models)
   runtime.speculative_generate(ar, None, models)
   assert loads == [final, ar]

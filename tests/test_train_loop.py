@@ -129,7 +129,8 @@ print("RESULT", json.dumps({{"before": before, "step": int(st["step"])}}))
 
 def _child(workdir, total, sleep, env):
   code = _CHILD.format(repo=REPO_ROOT)
-  return subprocess.Popen([sys.executable, "-c", code, json.dumps(dict(workdir=str(workdir), total=total, sleep=sleep))],
+  return subprocess.Popen([sys.executable, "-c", code,
+                           json.dumps(dict(workdir=str(workdir), total=total, sleep=sleep))],
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

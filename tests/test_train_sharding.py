@@ -56,7 +56,8 @@ for name, shape, ndev in [("1x1x1", (1, 1, 1), 1), ("8x1x1", (8, 1, 1), 8), ("2x
 # The divisibility rule: 'embed' of size 6 cannot split over fsdp=4 -> replicated.
 mesh = mesh_lib.make_mesh(dict(data=2, fsdp=4, tensor=1), jax.devices())
 out["spec_indivisible"] = spec(mesh_lib.logical_to_spec(("embed", "mlp"), (6, 64), mesh, rules))
-out["spec_batch_2x2x2"] = spec(mesh_lib.batch_sharding(mesh_lib.make_mesh(dict(data=2, fsdp=2, tensor=2)), rules, 8).spec)
+out["spec_batch_2x2x2"] = spec(mesh_lib.batch_sharding(mesh_lib.make_mesh(dict(data=2, fsdp=2, tensor=2)), rules,
+                                                      8).spec)
 print("RESULT" + json.dumps(out))
 """
 

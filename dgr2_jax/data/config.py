@@ -1,6 +1,8 @@
-"""Config section defaults owned by the data package: `data`, `sids` and `retriever`.
+"""The config sections the data package owns, `data`, `sids` and `retriever`: their defaults and
+their checks (`validate`).
 
-The lead assembles these into `configs/*.py`; the stages read `config.seed` plus their own section.
+configs/base.py composes them into the config tree; the stages read `config.seed` plus their own
+section.
 """
 
 import ml_collections

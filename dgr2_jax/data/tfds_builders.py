@@ -3,7 +3,8 @@
 Works without TensorFlow in tfds 4.9.10 because: the DatasetInfo is built directly
 (`tfds.core.DatasetInfo(builder=self, ...)`; `dataset_info_from_configs` would look for metadata
 files next to this module), `code_path = None` stops TFDS probing for checksum files
-next to the module (that probe imports `importlib_resources`, absent here), features are numpy-typed (`Scalar`, `Tensor`, `Text`, `Sequence`),
+next to the module (that probe imports `importlib_resources`, absent here), features are
+numpy-typed (`Scalar`, `Tensor`, `Text`, `Sequence`),
 `file_format='array_record'` writes through array_record, and reading goes through
 `builder.as_data_source()` (random access, no tf.data). `disable_shuffling` keeps records in
 index order so record k of a split is user / item k.

@@ -27,6 +27,8 @@ devices), built by `from_config`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 import jax
@@ -178,16 +180,22 @@ def constrain_cache(mesh: Mesh | None, cache):
   return jax.tree_util.tree_map(lambda x: _pin(mesh, x, ("batch", "length", "kv_heads", None)), cache)
 
 
-def constrain_state(mesh: Mesh | None, state: dict, rows: int) -> dict:
-  """A decoder's loop state inside jit: entries named '*cache' as caches, every other array with
-  `rows` leading rows over the data axis (its other dimensions replicated: the carried hidden
-  states stay whole on every tensor device, as the layers' inputs are), scalars as they are."""
+def constrain_state(mesh: Mesh | None, state, rows: int):
+  """A decoder's loop state inside jit (a dict or a `flax.struct` dataclass, nested ones alike):
+  entries named '*cache' as caches, every other array with `rows` leading rows over the data axis
+  (its other dimensions replicated: the carried hidden states stay whole on every tensor device, as
+  the layers' inputs are), scalars as they are."""
   if mesh is None or mesh.size == 1:
     return state
+  if dataclasses.is_dataclass(state):
+    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+    return state.replace(**constrain_state(mesh, fields, rows))
   out = {}
   for k, v in state.items():
     if k.endswith("cache"):
       out[k] = constrain_cache(mesh, v)
+    elif dataclasses.is_dataclass(v):
+      out[k] = constrain_state(mesh, v, rows)
     elif getattr(v, "ndim", 0) and v.shape[0] == rows:
       out[k] = _pin(mesh, v, ("batch",) + (None,) * (v.ndim - 1))
     else:

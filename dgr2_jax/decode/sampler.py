@@ -1,6 +1,6 @@
 """The block-diffusion decoder: prefill + one `lax.while_loop` over denoising steps, one jit.
 
-Semantics are ../shared/design/block-diffusion.md, per row. Layout: prompts left-padded to `P`
+Semantics are docs/design.md, per row. Layout: prompts left-padded to `P`
 slots (at least one block, so block 0 has a "previous block"), the response in `R = n * B` slots
 after them; the KV cache has `P + R` slots and every row uses the same slot for the same response
 index (positions differ per row, key ranges hide the padding).
@@ -65,15 +65,14 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from dgr2_jax.decode import mesh as dmesh
 from dgr2_jax.decode import sampling
+from dgr2_jax.decode.config import KV_WRITES, DecodeConfig, decode_config_from  # noqa: F401
 from dgr2_jax.model import logits as logits_lib
 from dgr2_jax.model import masks, qwen3
 from dgr2_jax.model.config import Qwen3Config
-
-
-KV_WRITES = ("auto", "fused", "separate")
 
 
 # 'auto' on an accelerator: 'fused' up to this many rows per device, 'separate' beyond. A fused
@@ -97,59 +96,6 @@ def resolve_kv_write(kv_write: str, rows: int | None = None, backend: str | None
   if (backend or _backend()) == "cpu":
     return "separate"
   return "fused" if rows is None or rows <= FUSED_MAX_ROWS else "separate"
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeConfig:
-  block_size: int = 32
-  threshold: float = 0.9          # tau; traced (no recompile)
-  temperature: float = 0.0        # 0 = greedy; traced
-  top_k: int = 0                  # 0 = off; traced
-  top_p: float = 1.0              # 1.0 = off; traced
-  steps_per_block: int = 0        # 0 = no budget; else at most this many steps per block; traced
-  max_new_tokens: int = 128       # multiple of block_size; static
-  eos_ids: tuple[int, ...] = ()
-  mask_token_id: int | None = None
-  pad_id: int = 0
-  # How block j-1's clean K/V are written when a row moves to block j (static): 'fused' into the
-  # row's first step of block j (a [previous block | canvas] window of 2B slots for the batch
-  # that iteration), 'separate' (a B-slot window that only writes, one more forward for that row,
-  # counted in its NFE), or 'auto' (`resolve_kv_write`): 'separate' on CPU, where a 2B window
-  # costs over twice a B window; on accelerators 'fused' at a few rows per device, where a window's
-  # cost barely depends on its width, and 'separate' beyond, where the 2B window's FLOPs bound it.
-  kv_write: str = "auto"
-  # Decode steps per host round trip (static): the loop checks "every row finished?" on the host
-  # once per `steps_per_sync` steps and runs that many steps on the device in between, a finished
-  # row's steps masked (module docstring, "Host round trips").
-  steps_per_sync: int = 8
-  # Speculative decoding (decode/speculative.py; static): the verifier runs after every
-  # `verify_every` drafter steps, on every row whose draft is ready, a fixed schedule with no host
-  # round trip (a divisor of `steps_per_sync`); 0 = whenever enough rows are ready, decided on the
-  # device (a `lax.cond` per drafter step: a host round trip each on a GPU, but no row waits).
-  verify_every: int = 2
-
-  def __post_init__(self):
-    if self.kv_write not in KV_WRITES:
-      raise ValueError(f"decode.kv_write must be one of {KV_WRITES}, got {self.kv_write!r}")
-    if self.block_size < 1:
-      raise ValueError(f"decode.block_size must be >= 1, got {self.block_size}")
-    if self.max_new_tokens % self.block_size:
-      raise ValueError(f"decode.max_new_tokens ({self.max_new_tokens}) must be a multiple of "
-                       f"decode.block_size ({self.block_size})")
-    if not 0.0 < self.threshold <= 1.0:
-      raise ValueError(f"decode.threshold must be in (0, 1], got {self.threshold}")
-    if self.temperature < 0:
-      raise ValueError(f"decode.temperature must be >= 0, got {self.temperature}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"decode.top_p must be in (0, 1], got {self.top_p}")
-    if self.steps_per_sync < 1:
-      raise ValueError(f"decode.steps_per_sync must be >= 1, got {self.steps_per_sync}")
-    if self.verify_every < 0:
-      raise ValueError(f"decode.verify_every must be >= 0, got {self.verify_every}")
-    if self.steps_per_block < 0:
-      raise ValueError(f"decode.steps_per_block must be >= 0, got {self.steps_per_block}")
-    if self.block_size > 1 and self.mask_token_id is None:
-      raise ValueError("decode.block_size > 1 needs a mask token (model config mask_token_id)")
 
 
 def left_pad(prompts: Sequence[Sequence[int]], max_prompt_len: int, pad_id: int):
@@ -216,45 +162,102 @@ def _sampled_choice(key, logits, temperature, mask_id):
   return tok, jnp.take_along_axis(x, tok[..., None], -1)[..., 0] - lse
 
 
-def denoise_commit(c, params, st: dict, preds, writing, row_keys, *, bsz: int, r: int, eos,
-                   mask_id: int, temperature, top_k, top_p, threshold, steps_per_block,
-                   num_blocks, route: str | None = None) -> tuple[dict, jax.Array]:
+@struct.dataclass
+class Knobs:
+  """The traced decoding settings (DecodeConfig's): one compilation serves every value. Scalars, or
+  per-row arrays where a caller sets them per row (serve/slots.py: threshold [B,1])."""
+  threshold: jax.Array         # tau
+  temperature: jax.Array       # 0 = greedy
+  top_k: jax.Array             # 0 = off
+  top_p: jax.Array             # 1.0 = off
+  steps_per_block: jax.Array   # 0 = no step budget
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitRule:
+  """What a denoising step's choice and commits fix at trace time (`denoise_commit`)."""
+  config: Qwen3Config          # the model config the decoder runs (its LM head)
+  block_size: int
+  response_len: int            # R = num_blocks * block_size response slots
+  eos_ids: tuple[int, ...]     # () = no EOS
+  mask_id: int
+  route: str | None = None     # `sampling_route`; None = picked on the device per step
+
+  @property
+  def eos(self) -> jax.Array:
+    return jnp.asarray(self.eos_ids if self.eos_ids else (-1,), jnp.int32)
+
+
+@struct.dataclass
+class Rows:
+  """Every row's progress through its response: what one denoising step reads and updates."""
+  step: jax.Array              # [B] the row's own denoising steps so far (its key's fold-in)
+  block: jax.Array             # [B] active block j (num_blocks once finished)
+  first: jax.Array             # [B] bool: at block j's first step (owes block j-1's K/V write)
+  block_start: jax.Array       # [B] the step block j began at (the step budget's origin)
+  canvas: jax.Array            # [B,R] committed tokens, the mask id elsewhere
+  commit_step: jax.Array       # [B,R] the step that committed each position, -1 never
+  logprob: jax.Array           # [B,R] f32 decoding log-prob of each committed token
+  eos_pos: jax.Array           # [B] first committed EOS, R = none
+  done: jax.Array              # [B] bool: finished (idles from now on)
+
+  @classmethod
+  def start(cls, b: int, r: int, mask_id: int) -> "Rows":
+    """`b` rows before their first step, `r` response slots each."""
+    return cls(step=jnp.zeros((b,), jnp.int32), block=jnp.zeros((b,), jnp.int32), first=jnp.ones((b,), bool),
+               block_start=jnp.zeros((b,), jnp.int32), canvas=jnp.full((b, r), mask_id, jnp.int32),
+               commit_step=jnp.full((b, r), -1, jnp.int32), logprob=jnp.zeros((b, r), jnp.float32),
+               eos_pos=jnp.full((b,), r, jnp.int32), done=jnp.zeros((b,), bool))
+
+  @classmethod
+  def of(cls, state) -> "Rows":
+    """The fields of a mapping that holds them (and more: serve/slots.py's slot state)."""
+    return cls(**{f.name: state[f.name] for f in dataclasses.fields(cls)})
+
+  def as_dict(self) -> dict:
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def denoise_commit(rule: CommitRule, params, rows: Rows, preds, writing, row_keys, knobs: Knobs,
+                   num_blocks) -> tuple[Rows, jax.Array]:
   """One denoising step's choice and commits for every row, from `preds` [B,bsz,E] (the hidden
-  states predicting each index of the row's active block). Shared by the batch decoder and the
-  serving slots (serve/slots.py), so both commit exactly alike. `threshold` and `num_blocks` are
-  scalars or per-row [B,1] / [B] arrays. Returns (the updated fields of the loop state: step,
-  block, first, block_start, canvas, commit_step, logprob, eos_pos, done; has_cand [B])."""
-  j, step = st["block"], st["step"]                                   # [B], [B]
+  states predicting each index of the row's active block); `writing` [B]: rows whose forward was a
+  separate K/V write (they commit nothing); `row_keys` [B]. Shared by the batch decoder and the
+  serving slots (serve/slots.py), so both commit exactly alike. `knobs.threshold` and `num_blocks`
+  are scalars or per-row [B,1] / [B] arrays. Returns (the rows after the step, has_cand [B])."""
+  bsz, r, mask_id = rule.block_size, rule.response_len, rule.mask_id
+  j, step = rows.block, rows.step                                     # [B], [B]
   b = step.shape[0]
   jc = jnp.minimum(j, num_blocks - 1)
   idx = jnp.arange(bsz)[None, :]
-  rows = jnp.arange(b)
-  canvas = row_slice(st["canvas"], jc * bsz, bsz)                     # [B,bsz]
-  eos_in_block = st["eos_pos"] - jc * bsz                             # [B] (may be <0 or >=bsz)
-  cand = (canvas == mask_id) & (idx < eos_in_block[:, None]) & ~(st["done"] | writing)[:, None]   # [B,bsz]
+  row_ids = jnp.arange(b)
+  canvas = row_slice(rows.canvas, jc * bsz, bsz)                      # [B,bsz]
+  eos_in_block = rows.eos_pos - jc * bsz                              # [B] (may be <0 or >=bsz)
+  cand = (canvas == mask_id) & (idx < eos_in_block[:, None]) & ~(rows.done | writing)[:, None]   # [B,bsz]
   has_cand = cand.any(axis=1)
 
   keys = jax.vmap(jax.random.fold_in)(row_keys, step)
-  tok, tok_lp = choose(c, params, preds, keys, temperature, top_k, top_p, mask_id, route)
-  steps_left = jnp.where(steps_per_block > 0,
-                         jnp.maximum(steps_per_block - (step - st["block_start"]), 1), bsz)
-  commit = commit_mask(jnp.exp(tok_lp), cand, threshold, steps_left)
+  tok, tok_lp = choose(rule.config, params, preds, keys, knobs.temperature, knobs.top_k, knobs.top_p, mask_id,
+                       rule.route)
+  steps_left = jnp.where(knobs.steps_per_block > 0,
+                         jnp.maximum(knobs.steps_per_block - (step - rows.block_start), 1), bsz)
+  commit = commit_mask(jnp.exp(tok_lp), cand, knobs.threshold, steps_left)
 
   new_block = jnp.where(commit, tok, canvas)
-  at = rows[:, None], jc[:, None] * bsz + idx                         # this row's active block
-  is_eos = commit & (tok[..., None] == eos).any(-1)
+  at = row_ids[:, None], jc[:, None] * bsz + idx                      # this row's active block
+  is_eos = commit & (tok[..., None] == rule.eos).any(-1)
   first_eos = jnp.min(jnp.where(is_eos, jc[:, None] * bsz + idx, r), axis=1)
-  eos_pos = jnp.minimum(st["eos_pos"], first_eos)
-  remaining = (new_block == mask_id) & (idx < (eos_pos - jc * bsz)[:, None]) & ~st["done"][:, None]
-  block_done = ~remaining.any(axis=1) & ~st["done"] & ~writing
-  done = st["done"] | (block_done & ((eos_pos < (jc + 1) * bsz) | (jc + 1 >= num_blocks)))
-  return dict(
+  eos_pos = jnp.minimum(rows.eos_pos, first_eos)
+  remaining = (new_block == mask_id) & (idx < (eos_pos - jc * bsz)[:, None]) & ~rows.done[:, None]
+  block_done = ~remaining.any(axis=1) & ~rows.done & ~writing
+  done = rows.done | (block_done & ((eos_pos < (jc + 1) * bsz) | (jc + 1 >= num_blocks)))
+  return Rows(
       step=step + has_cand.astype(jnp.int32), block=jnp.where(block_done, j + 1, j),
-      first=block_done | (st["first"] & ~writing & ~has_cand),
-      block_start=jnp.where(block_done, step + 1, st["block_start"]),
-      canvas=st["canvas"].at[at].set(new_block),
-      commit_step=st["commit_step"].at[at].set(jnp.where(commit, step[:, None], st["commit_step"][at])),
-      logprob=st["logprob"].at[at].set(jnp.where(commit, tok_lp, st["logprob"][at])),
+      first=block_done | (rows.first & ~writing & ~has_cand),
+      block_start=jnp.where(block_done, step + 1, rows.block_start),
+      canvas=rows.canvas.at[at].set(new_block),
+      commit_step=rows.commit_step.at[at].set(jnp.where(commit, step[:, None], rows.commit_step[at])),
+      logprob=rows.logprob.at[at].set(jnp.where(commit, tok_lp, rows.logprob[at])),
       eos_pos=eos_pos, done=done), has_cand
 
 
@@ -312,7 +315,8 @@ def confidence_rank(conf, cand):
   c = jnp.where(cand, conf, -1.0)
   n = c.shape[1]
   idx = jnp.arange(n)
-  before = (c[:, None, :] > c[:, :, None]) | ((c[:, None, :] == c[:, :, None]) & (idx[None, None, :] < idx[None, :, None]))
+  before = ((c[:, None, :] > c[:, :, None])
+            | ((c[:, None, :] == c[:, :, None]) & (idx[None, None, :] < idx[None, :, None])))
   return before.sum(-1)                                                       # [B,N]
 
 
@@ -393,84 +397,105 @@ class BlockWindows:
     return fused((carry, cache)) + (no_write,)
 
 
-def _decode(model_config: Qwen3Config, block_size: int, num_blocks: int, eos_ids: tuple,
-            mask_id: int, kv_write: str, route: str | None, steps_per_sync: int, params, prompt_tokens,
-            prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block=0, *, mesh=None):
-  c, bsz = model_config.replace(scan_layers=False), block_size
+@dataclasses.dataclass(frozen=True)
+class DecoderOptions:
+  """What a compiled threshold decoder fixes at trace time (`compiled_decoder`: one jit per value)."""
+  config: Qwen3Config          # the model config it runs (`model_for_decoding`)
+  block_size: int
+  num_blocks: int              # R = num_blocks * block_size response slots
+  eos_ids: tuple[int, ...]
+  mask_id: int
+  kv_write: str = "auto"       # DecodeConfig.kv_write ('auto' resolved by rows per device)
+  route: str | None = None     # `sampling_route`; None = picked on the device per step
+  steps_per_sync: int = 8      # decode steps per host round trip
+  mesh: object = None          # decode/mesh.py: the loop state pinned to it; None = one device
+
+
+@struct.dataclass
+class DecodeState:
+  """The threshold decoder's loop state."""
+  rows: Rows
+  carry: jax.Array             # [B,E] hidden state predicting index 0 of each row's active block
+  cache: object                # the KV cache, P + R slots
+  nfe: jax.Array               # [B] forwards run while the row had work
+  iteration: jax.Array         # () loop steps run (forwards; AR step 0 is none)
+  forward_passes: jax.Array    # () steps run with at least one unfinished row
+  masked_steps: jax.Array      # () steps run after every row finished
+
+  @classmethod
+  def start(cls, rows: Rows, carry, cache) -> "DecodeState":
+    b = carry.shape[0]
+    return cls(rows=rows, carry=carry, cache=cache, nfe=jnp.zeros((b,), jnp.int32), iteration=jnp.int32(0),
+               forward_passes=jnp.int32(0), masked_steps=jnp.int32(0))
+
+
+def _decode(o: DecoderOptions, params, prompt_tokens, prompt_len, knobs: Knobs, rng) -> dict:
+  c, bsz, num_blocks = o.config.replace(scan_layers=False), o.block_size, o.num_blocks
   params = qwen3.decode_params(c, params)  # per layer, in the compute dtype: once per call
   if prompt_tokens.shape[1] < bsz:  # block 0 needs a previous block of prompt slots (pad slots)
     prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (bsz - prompt_tokens.shape[1], 0)))
   b, p = prompt_tokens.shape
-  kv_write = resolve_kv_write(kv_write, -(-b // dmesh.data_size(mesh)))   # by rows per device
+  kv_write = resolve_kv_write(o.kv_write, -(-b // dmesh.data_size(o.mesh)))   # by rows per device
   r = num_blocks * bsz
   s = p + r
   positions = masks.left_pad_positions(prompt_len, p, s)              # [B,S]
-  eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+  rule = CommitRule(c, bsz, r, o.eos_ids, o.mask_id, o.route)
   row_keys = jax.random.split(rng, b)
 
   def run(tokens, start, cache):
     return window_forward(c, params, tokens, start, cache, prompt_len, p, positions, return_hidden=True)
 
-  cache = dmesh.constrain_cache(mesh, qwen3.init_cache(c, b, s))     # rows over data, kv heads over tensor
-  hidden, cache = run(prompt_tokens, 0, cache)
-  carry = hidden[:, -1]                                               # [B,E]: predicts index 0 of block 0
+  cache = dmesh.constrain_cache(o.mesh, qwen3.init_cache(c, b, s))   # rows over data, kv heads over tensor
+  hidden, cache = run(prompt_tokens, 0, cache)                        # hidden[:, -1] predicts index 0 of block 0
 
   win = BlockWindows(c, params, prompt_tokens, prompt_len, positions, bsz, num_blocks, kv_write)
 
-  def predictions(st, forward: bool):
+  def predictions(st: DecodeState, forward: bool):
     """-> (hidden predicting each index of every row's active block [B,bsz,E], carry, cache,
     writing). `forward` False (static): AR step 0, predicted by the prefill's carry."""
+    rows = st.rows
     if bsz > 1:
-      return win.predictions(st["block"], st["first"], st["done"], st["canvas"], st["carry"], st["cache"])
+      return win.predictions(rows.block, rows.first, rows.done, rows.canvas, st.carry, st.cache)
     if not forward:
-      return st["carry"][:, None], st["carry"], st["cache"], jnp.zeros_like(st["done"])
+      return st.carry[:, None], st.carry, st.cache, jnp.zeros_like(rows.done)
     # AR: the one token of the previous block
-    start = p + jnp.minimum(st["block"], num_blocks - 1) - 1
-    seq = jnp.concatenate([prompt_tokens, st["canvas"]], axis=1)
-    h, cache = run(row_slice(seq, start, 1), start, st["cache"])
-    return h[:, :1], h[:, 0], cache, jnp.zeros_like(st["done"])
+    start = p + jnp.minimum(rows.block, num_blocks - 1) - 1
+    seq = jnp.concatenate([prompt_tokens, rows.canvas], axis=1)
+    h, cache = run(row_slice(seq, start, 1), start, st.cache)
+    return h[:, :1], h[:, 0], cache, jnp.zeros_like(rows.done)
 
-  def body(st, forward: bool = True):
+  def body(st: DecodeState, forward: bool = True) -> DecodeState:
     """One denoising step of every unfinished row. A finished row's outputs and counters are left
     as they are (its forward runs on a clamped block and writes only K/V no later read uses)."""
     preds, carry, cache, writing = predictions(st, forward)   # writing rows commit nothing this time
-    new, has_cand = denoise_commit(c, params, st, preds, writing, row_keys, bsz=bsz, r=r, eos=eos,
-                                   mask_id=mask_id, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, threshold=threshold,
-                                   steps_per_block=steps_per_block, num_blocks=num_blocks,
-                                   route=route)
-    live = ~st["done"].all()                                          # some row had work this step
-    return dict(
-        new, iteration=st["iteration"] + int(forward), carry=carry, cache=cache,
-        nfe=st["nfe"] + (forward & (has_cand | writing)).astype(jnp.int32),
-        forward_passes=st["forward_passes"] + (forward & live).astype(jnp.int32),
-        masked_steps=st["masked_steps"] + (forward & ~live).astype(jnp.int32))
+    rows, has_cand = denoise_commit(rule, params, st.rows, preds, writing, row_keys, knobs, num_blocks)
+    live = ~st.rows.done.all()                                        # some row had work this step
+    return DecodeState(
+        rows=rows, iteration=st.iteration + int(forward), carry=carry, cache=cache,
+        nfe=st.nfe + (forward & (has_cand | writing)).astype(jnp.int32),
+        forward_passes=st.forward_passes + (forward & live).astype(jnp.int32),
+        masked_steps=st.masked_steps + (forward & ~live).astype(jnp.int32))
 
-  def cond(st):
+  def cond(st: DecodeState):
     # The only predicate the host reads: once per `steps_per_sync` steps. Every step commits >= 1
     # token in each row that still has work (or writes its previous block's K/V), so a row takes
     # at most R steps + one write per block; the bound only guards against a broken invariant.
-    return ~st["done"].all() & (st["iteration"] < r + num_blocks + 1)
+    return ~st.rows.done.all() & (st.iteration < r + num_blocks + 1)
 
-  def steps(st):
+  def steps(st: DecodeState) -> DecodeState:
     # A fixed trip count: no predicate leaves the device. Once every row is finished, the rest
     # of these steps are masked (they change no output; counted in `masked_steps`).
-    return jax.lax.fori_loop(0, steps_per_sync, lambda _, x: body(x), st)
+    return jax.lax.fori_loop(0, o.steps_per_sync, lambda _, x: body(x), st)
 
-  st = dict(
-      iteration=jnp.int32(0), step=jnp.zeros((b,), jnp.int32), block=jnp.zeros((b,), jnp.int32),
-      first=jnp.ones((b,), bool), block_start=jnp.zeros((b,), jnp.int32),
-      canvas=jnp.full((b, r), mask_id, jnp.int32), commit_step=jnp.full((b, r), -1, jnp.int32),
-      logprob=jnp.zeros((b, r), jnp.float32), eos_pos=jnp.full((b,), r, jnp.int32),
-      done=jnp.zeros((b,), bool), carry=carry, cache=cache,
-      nfe=jnp.zeros((b,), jnp.int32), forward_passes=jnp.int32(0), masked_steps=jnp.int32(0))
+  st = DecodeState.start(Rows.start(b, r, o.mask_id), hidden[:, -1], cache)
   if bsz == 1:  # AR step 0 before the loop: the prefill predicted index 0, no forward
     st = body(st, forward=False)
-  pinned = lambda st: dmesh.constrain_state(mesh, st, b)               # the loop state keeps its shardings
+  pinned = lambda st: dmesh.constrain_state(o.mesh, st, b)             # the loop state keeps its shardings
   st = jax.lax.while_loop(cond, lambda st: pinned(steps(st)), pinned(st))
-  return dict(tokens=st["canvas"], commit_step=st["commit_step"], logprob=st["logprob"],
-              nfe=st["nfe"], eos_pos=st["eos_pos"], steps=st["step"],
-              forward_passes=st["forward_passes"], masked_steps=st["masked_steps"])
+  rows = st.rows
+  return dict(tokens=rows.canvas, commit_step=rows.commit_step, logprob=rows.logprob,
+              nfe=st.nfe, eos_pos=rows.eos_pos, steps=rows.step,
+              forward_passes=st.forward_passes, masked_steps=st.masked_steps)
 
 
 @functools.lru_cache(maxsize=32)
@@ -480,13 +505,17 @@ def compiled_decoder(model_config: Qwen3Config, block_size: int, max_new_tokens:
   """One jitted function per static shape/config and sampling route (`sampling_route`; None =
   picked on the device per step); tau, temperature, top-k/p, the key and the step budget are
   traced. `mesh` (decode/mesh.py): the loop state is pinned to it (rows over data, the KV cache
-  over tensor); the params and prompts arrive already placed on it."""
+  over tensor); the params and prompts arrive already placed on it. Called as
+  fn(params, prompt_tokens, prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block)."""
   if route is not None and route not in ROUTES:
     raise ValueError(f"sampling route must be one of {ROUTES}, got {route!r}")
-  fn = functools.partial(_decode, model_config, block_size, max_new_tokens // block_size,
-                         tuple(eos_ids), mask_id, kv_write, route, int(steps_per_sync),
-                         mesh=mesh)
-  return jax.jit(fn)
+  o = DecoderOptions(model_config, block_size, max_new_tokens // block_size, tuple(eos_ids), mask_id, kv_write,
+                     route, int(steps_per_sync), mesh)
+
+  def decode(params, prompt_tokens, prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block=0):
+    knobs = Knobs(threshold, temperature, top_k, top_p, steps_per_block)
+    return _decode(o, params, prompt_tokens, prompt_len, knobs, rng)
+  return jax.jit(decode)
 
 
 def decoder_for(model_config: Qwen3Config, dc: DecodeConfig, mesh=None):
@@ -506,14 +535,6 @@ def run_decoder(fn, params, prompt_tokens, prompt_len, dc: DecodeConfig, rng=Non
   rng = np.zeros((2,), np.uint32) if rng is None else rng   # == jax.random.PRNGKey(0)
   return fn(params, prompt_tokens, prompt_len, np.float32(dc.threshold), np.float32(dc.temperature),
             np.int32(dc.top_k), np.float32(dc.top_p), rng, np.int32(dc.steps_per_block))
-
-
-def decode_config_from(section, **ids) -> DecodeConfig:
-  """DecodeConfig from a `config.decode` section (its DecodeConfig fields; others, such as
-  `mode` and `verifier_dir`, are ignored) and the token ids `ids` (eos_ids, mask_token_id,
-  pad_id) the caller resolved."""
-  names = {f.name for f in dataclasses.fields(DecodeConfig)} - set(ids)
-  return DecodeConfig(**{k: section[k] for k in names if k in section}, **ids)
 
 
 def decode_config_for(model_config: Qwen3Config, **kw) -> DecodeConfig:

@@ -1,6 +1,6 @@
 """Attention: one entry point (`attend`), every mask of the recipe as key ranges, three routes.
 
-Every mask the recipe uses (../shared/design/block-diffusion.md, "Attention") is, for query t of
+Every mask the recipe uses (docs/design.md, "Attention") is, for query t of
 row b, a contiguous range of key slots `[lo_b, hi_bt)`, plus, in the multi-stream layout, a
 query's own segment:
   * single stream `[prompt (left-padded) | response]` (AR forward, SFT, the teacher, the decoder's

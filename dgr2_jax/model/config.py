@@ -4,6 +4,9 @@
 keep transformers' names so that `from_hf_dict(json.load(config.json))` and `to_hf_dict()` are
 plain renames. The block-diffusion fields (`block_size`, `mask_token_id`, `attention`) are what
 "converting" an AR re-ranker into a block-diffusion one changes: the weights stay as they are.
+
+This module also owns the `model` config section: `model_config()` (its defaults; the runtime
+fields' are `Qwen3Config`'s) and `validate`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import math
 from typing import Any
 
 import jax.numpy as jnp
+import ml_collections
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_KINDS = ("causal", "block_causal")
@@ -96,7 +100,8 @@ class Qwen3Config:
     if self.param_dtype not in _DTYPES:
       raise ValueError(f"model config field 'param_dtype' must be one of {sorted(_DTYPES)}, got {self.param_dtype!r}")
     if not isinstance(self.logits_budget_bytes, int) or self.logits_budget_bytes <= 0:
-      raise ValueError(f"model config field 'logits_budget_bytes' must be a positive int, got {self.logits_budget_bytes!r}")
+      raise ValueError(f"model config field 'logits_budget_bytes' must be a positive int, got "
+                       f"{self.logits_budget_bytes!r}")
     if self.remat_policy not in REMAT_POLICIES:
       raise ValueError(f"model config field 'remat_policy' must be one of {REMAT_POLICIES}, got "
                        f"{self.remat_policy!r}")
@@ -260,6 +265,48 @@ class Qwen3Config:
         "torch_dtype": self.param_dtype,
         "dgr2": {k: getattr(self, k) for k in DIFFUSION_KEYS},
     }
+
+
+# ---- the `model` config section ----------------------------------------------------------------
+def model_config() -> ml_collections.ConfigDict:
+  """The AR re-ranker the SFT stage starts from.
+
+  `init_from` '' => random init of the architecture below with the tokenizer's vocabulary
+  (`vocab_size` 0 = len(tokenizer)); a model directory (HF or ours) => its config.json and weights
+  (the architecture fields below are then ignored).
+  """
+  # The runtime fields' defaults are Qwen3Config's; the architecture is the section's own (a tiny
+  # model for the smoke runs, where Qwen3Config's defaults are those of a config.json without the key).
+  q = Qwen3Config
+  c = ml_collections.ConfigDict()
+  c.init_from = ""  # '' = random init of the fields below; a model directory = its config and weights
+  c.vocab_size = 0  # 0 = len(tokenizer)
+  c.hidden_size = 64  # model width (the architecture fields are ignored with init_from)
+  c.intermediate_size = 128  # MLP width
+  c.num_hidden_layers = 2  # transformer layers
+  c.num_attention_heads = 4  # query heads
+  c.num_key_value_heads = 2  # K/V heads (grouped-query attention); divides num_attention_heads
+  c.head_dim = 16  # per-head width (even: rotary embeddings)
+  c.rms_norm_eps = q.rms_norm_eps  # RMSNorm epsilon
+  c.rope_theta = q.rope_theta  # rotary embedding base (Qwen3's)
+  c.tie_word_embeddings = True  # the LM head is the embedding matrix
+  c.max_position_embeddings = 4096  # longest position the model is configured for
+  # Activations / matmuls / KV cache; 'auto' = param_dtype (a loaded checkpoint's own dtype: bf16
+  # checkpoints decode in bf16). Logits, softmax statistics and log-probs are f32 in any case.
+  c.dtype = q.dtype
+  c.param_dtype = q.param_dtype  # stored parameters (master weights: train.param_dtype)
+  c.remat = q.remat  # recompute each layer in the backward pass (less memory, more compute)
+  # Attention route (dgr2_jax/model/attention.py): 'xla' (dense, fastest for tiny CPU models),
+  # 'blockwise' (no [T, S] array; any device), 'cudnn', 'splitkey' (decode attention split over
+  # keys, docs/decode_attention.md), 'auto' (on GPUs splitkey for decode windows and cudnn for
+  # the rest, else blockwise).
+  c.attention_impl = q.attention_impl
+  c.attention_k_splits = q.attention_k_splits   # key splits of 'splitkey'; 0 = two thread blocks per SM at the batch
+  c.logits_chunk = q.logits_chunk         # positions per vocabulary chunk of the losses; 0 = 64 MiB of logits
+  # f32 logits of one decoding step's positions computed by one LM-head matmul (above: vocabulary
+  # tiles for greedy steps, a few rows at a time otherwise); 2 GiB = batch 64 x 33 slots at Qwen3's V.
+  c.logits_budget_bytes = q.logits_budget_bytes
+  return c
 
 
 def validate(config, runs: set) -> None:

@@ -1,6 +1,6 @@
 """Attention masks as pure functions. Every mask is boolean, True = "query may attend key".
 
-Two layouts exist (see ../shared/design/block-diffusion.md, "Attention"):
+Two layouts exist (see docs/design.md, "Attention"):
 
 * Single stream `[prompt (P slots, left-padded) | response (R slots)]`, used by the AR forward, the
   block-diffusion decoder and its KV cache. Each slot gets a *block id*: prompt slot `s` -> `s`,

@@ -1,6 +1,6 @@
 """The block-diffusion prediction for every response index in one pass (multi-stream layout).
 
-This is the training-side twin of the decoder (../shared/design/block-diffusion.md, "CFT" and
+This is the training-side twin of the decoder (docs/design.md, "CFT" and
 "Replay"). The input is `[prompt (P) | clean response (R) | G noisy segments of B tokens]`:
   * the clean copy plays the role of the decoder's K/V-write pass (block j sees blocks <= j);
   * each noisy segment is one canvas of one block j (CFT: the corrupted block; replay: the canvas

@@ -18,12 +18,14 @@ shutdown) stops accepting, lets in-flight requests finish, then drains the engin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import threading
 import time
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -33,13 +35,17 @@ from dgr2_jax.serve import metrics as metrics_lib
 from dgr2_jax.serve.service import BadRequest
 
 MAX_BODY_BYTES = 1 << 16
+# An oversize body is still read (and thrown away) up to this many bytes past the limit before the
+# 413 goes out: a server that answers and closes while the client is still sending resets the
+# connection, and the client sees a broken pipe instead of its 413. Beyond this the 413 goes out
+# at once (bounded work per request).
+DRAIN_BYTES = 1 << 20
+
+PID = {"x-dgr2-pid": str(os.getpid())}
 
 
 class TooLarge(Exception):
   pass
-
-
-PID = {"x-dgr2-pid": str(os.getpid())}
 
 
 def _error(status: int, msg: str, headers=None) -> JSONResponse:
@@ -47,20 +53,193 @@ def _error(status: int, msg: str, headers=None) -> JSONResponse:
                       headers={**PID, **(headers or {})})
 
 
-async def _read_json(request: HttpRequest, limit: int):
+async def _read_body(request: HttpRequest, limit: int) -> bytes:
+  """The body; TooLarge when it is over `limit` bytes, after reading it to its end (discarded)
+  unless that is more than DRAIN_BYTES past the limit."""
   n = request.headers.get("content-length")
-  if n is not None and (not n.isdigit() or int(n) > limit):
-    raise TooLarge(f"body: larger than {limit} bytes")
+  too_large = TooLarge(f"body: larger than {limit} bytes")
+  if n is not None and (not n.isdigit() or int(n) > limit + DRAIN_BYTES):
+    raise too_large
   chunks, size = [], 0
   async for chunk in request.stream():
     size += len(chunk)
-    if size > limit:
-      raise TooLarge(f"body: larger than {limit} bytes")
-    chunks.append(chunk)
+    if size > limit + DRAIN_BYTES:
+      break
+    if size <= limit:
+      chunks.append(chunk)
+  if size > limit:
+    raise too_large
+  return b"".join(chunks)
+
+
+async def _read_json(request: HttpRequest, limit: int):
+  body = await _read_body(request, limit)
   try:
-    return json.loads(b"".join(chunks))
+    return json.loads(body)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise BadRequest("body", f"not valid JSON ({getattr(e, 'msg', 'not UTF-8')})", "bad_json") from None
+
+
+def _outcome_error(exc: BaseException):
+  """(status, metrics reason, message) of a request whose engine future failed."""
+  if isinstance(exc, engine_lib.DeadlineExceeded):
+    return 504, "deadline", "timeout_s: the deadline passed before the answer was ready"
+  if isinstance(exc, engine_lib.Cancelled):
+    return 499, "client_gone", "client disconnected"
+  if isinstance(exc, engine_lib.ShuttingDown):
+    return 503, "shutting_down", str(exc)
+  return 500, "internal", f"internal error: {type(exc).__name__}: {exc}"
+
+
+async def _until_disconnected(request: HttpRequest):
+  # Every waiting request polls its connection: at 20/s each, a few hundred queued requests kept
+  # the event loop (and the GIL the scheduler thread needs) busy; 4/s frees a gone client's slot
+  # within a quarter second all the same.
+  while not await request.is_disconnected():
+    await asyncio.sleep(0.25)
+
+
+class Api:
+  """The app's state (the service once loaded, whether it takes requests, how many it holds) and its
+  endpoints. `build_app(...).state.api` is this object."""
+
+  def __init__(self, make_service, max_body_bytes: int, drain_timeout_s: float, preload: bool):
+    self.make_service = make_service
+    self.max_body_bytes = max_body_bytes
+    self.drain_timeout_s = drain_timeout_s
+    self.preload = preload
+    self.service = None
+    self.load_error = None
+    self.draining = False
+    self.in_flight = 0               # requests between arrival and answer
+    self.metrics = metrics_lib.Metrics(lambda: self.service)
+
+  def load(self):
+    """Builds, starts and warms up the service (errors are reported by /readyz)."""
+    try:
+      svc = self.make_service()
+      svc.scheduler.start()
+      svc.warmup()
+      self.service = svc
+      print(f"dgr2_jax.serve: ready (modes {', '.join(svc.modes)}; {svc.options.slots} slots, "
+            f"{svc.options.steps_per_round} steps per round, policy {svc.options.policy})", flush=True)
+    except BaseException as e:  # pylint: disable=broad-except
+      self.load_error = f"{type(e).__name__}: {e}"
+      print(f"dgr2_jax.serve: loading failed: {self.load_error}", flush=True)
+
+  @contextlib.asynccontextmanager
+  async def lifespan(self, app):
+    del app
+    if not self.preload:
+      threading.Thread(target=self.load, name="dgr2-serve-load", daemon=True).start()
+    yield
+    self.draining = True            # uvicorn already waited for the open requests
+    if self.service is not None:
+      self.service.scheduler.drain(self.drain_timeout_s)
+
+  def stop_intake(self):
+    """From now on requests get 503 and /readyz 503; those already taken are answered."""
+    self.draining = True
+
+  def reject(self, status: int, reason: str, msg: str, headers=None) -> JSONResponse:
+    self.metrics.reject(reason)
+    return _error(status, msg, headers)
+
+  async def healthz(self, request):
+    del request
+    return JSONResponse({"status": "ok"}, headers=PID)
+
+  async def readyz(self, request):
+    del request
+    svc = self.service
+    if self.load_error:
+      return _error(503, f"not ready: {self.load_error}")
+    if svc is None:
+      return _error(503, "not ready: loading and compiling the models")
+    if svc.scheduler.error is not None:
+      return _error(503, f"not ready: the engine failed ({svc.scheduler.error})")
+    if self.draining:
+      return _error(503, "not ready: shutting down")
+    return JSONResponse({"status": "ready", "modes": list(svc.modes), "model_dir": svc.model_dir,
+                         "verifier_dir": svc.verifier_dir, "num_candidates": svc.num_candidates,
+                         "max_new_tokens": svc.max_new_tokens}, headers=PID)
+
+  async def metrics_endpoint(self, request):
+    del request
+    body, ctype = self.metrics.render()
+    return Response(body, media_type=ctype)
+
+  async def rerank(self, request):
+    return await self.serve(request, lambda svc, body: svc.rerank_request(body),
+                            lambda svc, parsed, res: svc.rerank_response(parsed[0], res), "rerank")
+
+  async def generate(self, request):
+    return await self.serve(request, lambda svc, body: svc.generate_request(body),
+                            lambda svc, parsed, res: svc.generate_response(res), "generate")
+
+  async def serve(self, request: HttpRequest, parse, respond, kind: str):
+    """Parses the body with `parse(svc, body) -> (..., engine request, mode)`, queues the request,
+    waits for its answer (or its deadline, or the client leaving), answers `respond(svc, parsed, result)`."""
+    self.in_flight += 1
+    try:
+      return await self.handle(request, parse, respond, kind)
+    finally:
+      self.in_flight -= 1
+
+  async def handle(self, request: HttpRequest, parse, respond, kind: str):
+    t0 = time.monotonic()
+    svc = self.service
+    if self.draining:   # and close the connection: a client's next request goes where intake is open
+      return self.reject(503, "shutting_down", "the server is shutting down",
+                         {"Retry-After": "5", "Connection": "close"})
+    if svc is None:
+      return self.reject(503, "not_ready", "the server is not ready (models loading)", {"Retry-After": "5"})
+    try:
+      parsed = parse(svc, await _read_json(request, self.max_body_bytes))
+    except TooLarge as e:
+      return self.reject(413, "too_large", str(e))
+    except BadRequest as e:
+      return self.reject(400, e.reason, str(e))
+    req, mode = parsed[-2], parsed[-1]
+    try:
+      svc.scheduler.submit(mode, req)
+    except engine_lib.QueueFull as e:
+      return self.reject(429, "queue_full", str(e), {"Retry-After": "1"})
+    except engine_lib.ShuttingDown as e:
+      return self.reject(503, "shutting_down", str(e))
+    try:
+      res = await self.answer(request, req)
+    except Exception as e:  # pylint: disable=broad-except
+      return self.reject(*_outcome_error(e))
+    out = respond(svc, parsed, res)
+    self.metrics.observe(kind, mode, time.monotonic() - t0)
+    return JSONResponse(out, headers=PID)
+
+  async def answer(self, request: HttpRequest, req):
+    """The engine's result for the queued `req`; raises as its future does, Cancelled when the client
+    left first, DeadlineExceeded when its deadline passed first (either way the engine frees its slot
+    at its next round)."""
+    fut = asyncio.wrap_future(req.future)
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())   # never "unretrieved"
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+      done, _ = await asyncio.wait({fut, watch}, timeout=max(req.deadline - time.monotonic(), 0) + 0.5,
+                                   return_when=asyncio.FIRST_COMPLETED)
+    finally:
+      watch.cancel()
+    if fut not in done:
+      req.cancel()
+      raise engine_lib.Cancelled() if watch in done else engine_lib.DeadlineExceeded()
+    return fut.result()
+
+  async def not_found(self, request, exc):
+    del request
+    return self.reject(exc.status_code, "not_found" if exc.status_code == 404 else "bad_method",
+                       f"path: {exc.detail}")
+
+  async def crashed(self, request, exc):
+    del request
+    return self.reject(500, "internal", f"internal error: {type(exc).__name__}: {exc}")
 
 
 def build_app(make_service, max_body_bytes: int = MAX_BODY_BYTES, drain_timeout_s: float = 60.0,
@@ -68,147 +247,15 @@ def build_app(make_service, max_body_bytes: int = MAX_BODY_BYTES, drain_timeout_
   """The ASGI app; `make_service()` builds the `Service` (models, engines) in a background thread
   started by the app's lifespan, or here before returning when `preload` (a Ray Serve replica: it
   counts as started once its constructor returns). Answers carry the serving process's id in the
-  `x-dgr2-pid` header."""
-  holder = {"service": None, "error": None, "draining": False}
-  metrics = metrics_lib.Metrics(lambda: holder["service"])
-
-  def load():
-    try:
-      svc = make_service()
-      svc.scheduler.start()
-      svc.warmup()
-      holder["service"] = svc
-      print(f"dgr2_jax.serve: ready (modes {', '.join(svc.modes)}; {svc.options.slots} slots, "
-            f"{svc.options.steps_per_round} steps per round, policy {svc.options.policy})", flush=True)
-    except BaseException as e:  # pylint: disable=broad-except
-      holder["error"] = f"{type(e).__name__}: {e}"
-      print(f"dgr2_jax.serve: loading failed: {holder['error']}", flush=True)
-
+  `x-dgr2-pid` header; `.state.api` is the app's `Api`."""
+  api = Api(make_service, max_body_bytes, drain_timeout_s, preload)
   if preload:
-    load()
-    if holder["error"]:
-      raise RuntimeError(f"dgr2_jax.serve: loading failed: {holder['error']}")
-
-  async def healthz(request):
-    del request
-    return JSONResponse({"status": "ok"}, headers=PID)
-
-  async def readyz(request):
-    del request
-    svc = holder["service"]
-    if holder["error"]:
-      return _error(503, f"not ready: {holder['error']}")
-    if svc is None:
-      return _error(503, "not ready: loading and compiling the models")
-    if svc.scheduler.error is not None:
-      return _error(503, f"not ready: the engine failed ({svc.scheduler.error})")
-    if holder["draining"]:
-      return _error(503, "not ready: shutting down")
-    return JSONResponse({"status": "ready", "modes": list(svc.modes), "model_dir": svc.model_dir,
-                         "verifier_dir": svc.verifier_dir, "num_candidates": svc.num_candidates,
-                         "max_new_tokens": svc.max_new_tokens}, headers=PID)
-
-  async def metrics_endpoint(request):
-    del request
-    body, ctype = metrics.render()
-    return Response(body, media_type=ctype)
-
-  async def serve(request: HttpRequest, parse, respond, kind: str):
-    t0 = time.monotonic()
-    svc = holder["service"]
-    if svc is None or holder["draining"]:
-      reason = "shutting_down" if holder["draining"] else "not_ready"
-      metrics.reject(reason)
-      return _error(503, "the server is shutting down" if holder["draining"] else
-                    "the server is not ready (models loading)", {"Retry-After": "5"})
-    try:
-      body = await _read_json(request, max_body_bytes)
-      parsed = parse(svc, body)
-    except TooLarge as e:
-      metrics.reject("too_large")
-      return _error(413, str(e))
-    except BadRequest as e:
-      metrics.reject(e.reason)
-      return _error(400, str(e))
-    req, mode = parsed[-2], parsed[-1]
-    try:
-      svc.scheduler.submit(mode, req)
-    except engine_lib.QueueFull as e:
-      metrics.reject("queue_full")
-      return _error(429, str(e), {"Retry-After": "1"})
-    except engine_lib.ShuttingDown as e:
-      metrics.reject("shutting_down")
-      return _error(503, str(e))
-    fut = asyncio.wrap_future(req.future)
-    fut.add_done_callback(lambda f: f.cancelled() or f.exception())   # never "unretrieved"
-
-    async def gone():
-      # Every waiting request polls its connection: at 20/s each, a few hundred queued requests
-      # kept the event loop (and the GIL the scheduler thread needs) busy; 4/s frees a gone
-      # client's slot within a quarter second all the same.
-      while not await request.is_disconnected():
-        await asyncio.sleep(0.25)
-    watch = asyncio.ensure_future(gone())
-    try:
-      done, _ = await asyncio.wait({fut, watch}, timeout=max(req.deadline - time.monotonic(), 0) + 0.5,
-                                   return_when=asyncio.FIRST_COMPLETED)
-    finally:
-      watch.cancel()
-    if fut not in done:
-      req.cancel()              # the engine frees its slot at its next round
-      if watch in done:
-        metrics.reject("client_gone")
-        return _error(499, "client disconnected")
-      metrics.reject("deadline")
-      return _error(504, "timeout_s: the deadline passed before the answer was ready")
-    try:
-      res = fut.result()
-    except engine_lib.DeadlineExceeded:
-      metrics.reject("deadline")
-      return _error(504, "timeout_s: the deadline passed before the answer was ready")
-    except engine_lib.Cancelled:
-      metrics.reject("client_gone")
-      return _error(499, "client disconnected")
-    except engine_lib.ShuttingDown as e:
-      metrics.reject("shutting_down")
-      return _error(503, str(e))
-    except Exception as e:  # pylint: disable=broad-except
-      metrics.reject("internal")
-      return _error(500, f"internal error: {type(e).__name__}: {e}")
-    out = respond(svc, parsed, res)
-    metrics.observe(kind, mode, time.monotonic() - t0)
-    return JSONResponse(out, headers=PID)
-
-  async def rerank(request):
-    return await serve(request, lambda svc, body: svc.rerank_request(body),
-                       lambda svc, parsed, res: svc.rerank_response(parsed[0], res), "rerank")
-
-  async def generate(request):
-    return await serve(request, lambda svc, body: svc.generate_request(body),
-                       lambda svc, parsed, res: svc.generate_response(res), "generate")
-
-  async def not_found(request, exc):
-    del request
-    metrics.reject("not_found" if exc.status_code == 404 else "bad_method")
-    return _error(exc.status_code, f"path: {exc.detail}")
-
-  async def crashed(request, exc):
-    del request
-    metrics.reject("internal")
-    return _error(500, f"internal error: {type(exc).__name__}: {exc}")
-
-  async def lifespan(app):
-    del app
-    if not preload:
-      threading.Thread(target=load, name="dgr2-serve-load", daemon=True).start()
-    yield
-    holder["draining"] = True            # uvicorn already waited for the open requests
-    svc = holder["service"]
-    if svc is not None:
-      svc.scheduler.drain(drain_timeout_s)
-
-  from starlette.exceptions import HTTPException
-  return Starlette(
-      routes=[Route("/v1/rerank", rerank, methods=["POST"]), Route("/v1/generate", generate, methods=["POST"]),
-              Route("/healthz", healthz), Route("/readyz", readyz), Route("/metrics", metrics_endpoint)],
-      exception_handlers={HTTPException: not_found, Exception: crashed}, lifespan=lifespan)
+    api.load()
+    if api.load_error:
+      raise RuntimeError(f"dgr2_jax.serve: loading failed: {api.load_error}")
+  routes = [Route("/v1/rerank", api.rerank, methods=["POST"]), Route("/v1/generate", api.generate, methods=["POST"]),
+            Route("/healthz", api.healthz), Route("/readyz", api.readyz), Route("/metrics", api.metrics_endpoint)]
+  app = Starlette(routes=routes, exception_handlers={HTTPException: api.not_found, Exception: api.crashed},
+                  lifespan=api.lifespan)
+  app.state.api = api
+  return app

@@ -73,7 +73,8 @@ def resolve_models(config, workdir: str, model_dir: str | None = None, verifier_
     model_dir = chain.model_dir(workdir, stage)
   if not os.path.isfile(os.path.join(model_dir, "config.json")):
     raise FileNotFoundError(f"--model_dir: model directory {model_dir!r} does not exist (run the pipeline first)")
-  verifier_dir = verifier_dir or config.get("decode", {}).get("verifier_dir", "") or chain.teacher_model_dir(config, workdir)
+  verifier_dir = (verifier_dir or config.get("decode", {}).get("verifier_dir", "")
+                  or chain.teacher_model_dir(config, workdir))
   if not os.path.isfile(os.path.join(verifier_dir, "config.json")):
     verifier_dir = None
   return model_dir, verifier_dir

@@ -122,8 +122,7 @@ class SlotDecoder:
 
   def _step_fn(self, params, state, k, temperature, top_k, top_p, steps_per_block, stop_on_finish):
     c, bsz, nb, r, p = self.config, self.bsz, self.num_blocks, self.r, self.p
-    mask_id = self.mask_id
-    eos = jnp.asarray(self.eos_ids, jnp.int32)
+    rule = sampler.CommitRule(c, bsz, r, self.eos_ids, self.mask_id)
     b = self.slots
 
     def predictions(st):
@@ -156,11 +155,10 @@ class SlotDecoder:
       st, it, busy = loop
       preds, carry, cache, ran, writing = predictions(st)
       # The batch decoder's own step (per-slot threshold and block limit): both commit alike.
-      upd, has_cand = sampler.denoise_commit(
-          c, params, st, preds, writing, st["row_key"], bsz=bsz, r=r, eos=eos, mask_id=mask_id,
-          temperature=temperature, top_k=top_k, top_p=top_p, threshold=st["threshold"][:, None],
-          steps_per_block=steps_per_block, num_blocks=st["limit"])
-      new = dict(st, **upd, carry=carry, cache=cache,
+      knobs = sampler.Knobs(st["threshold"][:, None], temperature, top_k, top_p, steps_per_block)
+      upd, has_cand = sampler.denoise_commit(rule, params, sampler.Rows.of(st), preds, writing, st["row_key"],
+                                             knobs, st["limit"])
+      new = dict(st, **upd.as_dict(), carry=carry, cache=cache,
                  nfe=st["nfe"] + (ran & (has_cand | writing)).astype(jnp.int32))
       return new, it + 1, busy + (~st["done"]).astype(jnp.int32)
 

@@ -28,19 +28,30 @@ accepted_per_pass (drafts accepted per verifier pass).
 
 Writes `workdir/bench/` (`eval/<row>/` predictions + metrics per row, `frontier.json`, DONE.json)
 and `workdir/results/frontier.{md,json,png}`.
+The `bench` config section is this module's: its defaults (`bench_config`) and checks (`validate`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 
+import jax
+import ml_collections
 import numpy as np
 
+from dgr2_jax import chain
+from dgr2_jax import checks
+from dgr2_jax import results
+from dgr2_jax.decode import mesh as dmesh
+from dgr2_jax.decode import runtime
+from dgr2_jax.decode import sampler
 from dgr2_jax.stages import common
-
-STAGE = "bench"
+from dgr2_jax.stages import contract
+from dgr2_jax.stages import eval as eval_stage
+from dgr2_jax.stages import traces as traces_stage
 
 
 class TimedGenerate:
@@ -60,9 +71,6 @@ class TimedGenerate:
     self.timed_tokens = self.timed_batches = 0   # what `time_interleaved` timed
 
   def __call__(self, model_config, params, prompts, dcfg, rng, max_prompt_len=None):
-    import jax
-    from dgr2_jax.decode import mesh as dmesh
-    from dgr2_jax.decode import sampler
     fn = self.generate_fn or sampler.generate
     call = lambda: fn(model_config, params, prompts, dcfg, rng, max_prompt_len=max_prompt_len, return_device=True)
     out = jax.tree_util.tree_map(dmesh.to_host, call())   # rows of every process (a decode mesh)
@@ -83,7 +91,6 @@ def time_interleaved(timers: list, rounds: int, max_batches: int = 0) -> None:
   """Sets each timer's `seconds` to the median over `rounds` rounds of the time its batches (the
   first `max_batches`, 0 = all) take to decode again, the timers taking turns within a round, and
   its `timed_tokens` to those batches' tokens (module docstring)."""
-  import jax
   per = [[] for _ in timers]
   k = max_batches or None
   for t in timers:
@@ -100,16 +107,25 @@ def time_interleaved(timers: list, rounds: int, max_batches: int = 0) -> None:
     t.seconds = float(np.median(acc))
 
 
-def measure(config, workdir: str, model_dir: str, block_size: int, threshold: float, out_dir: str,
-            batch_size: int = 0, decoder: str = "threshold", verifier_dir: str = "", generate_fn=None,
-            models: dict | None = None):
-  """One frontier row: eval metrics of `model_dir` decoded with `decoder` at (block_size,
-  threshold, batch_size) -> (row without its timing, the TimedGenerate that decoded it; `timing`
-  fills the row in once its timer's `seconds` are known). `models`: one dict for all rows of a
-  run, so their kept decode calls share one loaded copy of each model (`decode.runtime.load_on_device`)."""
-  from dgr2_jax.decode import mesh as dmesh
-  from dgr2_jax.decode import runtime
-  from dgr2_jax.stages import eval as eval_stage
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """What one frontier row decodes: `model_dir` with `decoder` ('threshold', or 'speculative' with
+  `verifier_dir` verifying) at block size, tau and batch size (0 = bench/eval batch size)."""
+  model_dir: str
+  block_size: int
+  threshold: float
+  batch_size: int = 0
+  decoder: str = "threshold"
+  verifier_dir: str = ""
+
+
+def measure(config, workdir: str, row: Row, out_dir: str, generate_fn=None, models: dict | None = None):
+  """One frontier row: eval metrics of `row` decoded into `out_dir` -> (row without its timing, the
+  TimedGenerate that decoded it; `timing` fills the row in once its timer's `seconds` are known).
+  `models`: one dict for all rows of a run, so their kept decode calls share one loaded copy of
+  each model (`decode.runtime.load_on_device`)."""
+  model_dir, block_size, threshold = row.model_dir, row.block_size, row.threshold
+  decoder, verifier_dir = row.decoder, row.verifier_dir
   bc = config.bench
   mesh = dmesh.from_config(config)   # the eval stage decodes on the same mesh
   c = config.copy_and_resolve_references()
@@ -120,7 +136,7 @@ def measure(config, workdir: str, model_dir: str, block_size: int, threshold: fl
     c.eval.name = os.path.basename(out_dir)
     c.eval.split = bc.split or c.eval.split
     c.eval.max_examples = bc.max_examples or c.eval.max_examples
-    c.eval.batch_size = batch_size or bc.batch_size or c.eval.batch_size
+    c.eval.batch_size = row.batch_size or bc.batch_size or c.eval.batch_size
     c.decode.block_size = int(block_size)
     c.decode.threshold = float(threshold)
     c.decode.mode = decoder
@@ -134,7 +150,7 @@ def measure(config, workdir: str, model_dir: str, block_size: int, threshold: fl
     m = json.load(f)
   seqs = max(timed.sequences, 1)
   label = "ar" if decoder == "threshold" and int(block_size) == 1 else decoder
-  row = {"decoder": label, "batch_size": int(c.eval.batch_size), "block_size": int(block_size),
+  out = {"decoder": label, "batch_size": int(c.eval.batch_size), "block_size": int(block_size),
          "threshold": float(threshold), "recall@1": m["recall@1"], "recall@3": m.get("recall@3"),
          "ndcg@3": m.get("ndcg@3"), "valid_rate": m["valid_rate"], "nfe_per_seq": m["mean_nfe"],
          "tokens_per_seq": timed.tokens / seqs,
@@ -143,9 +159,9 @@ def measure(config, workdir: str, model_dir: str, block_size: int, threshold: fl
          "devices": dmesh.describe(mesh)}
   st = getattr(timed, "stats", {})
   if "rounds" in st:
-    row.update(drafter_passes_per_seq=st["drafter_passes"] / seqs, verifier_passes_per_seq=st["rounds"] / seqs,
+    out.update(drafter_passes_per_seq=st["drafter_passes"] / seqs, verifier_passes_per_seq=st["rounds"] / seqs,
                accepted_per_pass=st["accepted"] / max(st["rounds"], 1), verifier_dir=verifier_dir)
-  return row, timed
+  return out, timed
 
 
 def timing(row: dict, timed, rounds: int) -> dict:
@@ -171,42 +187,52 @@ def add_speedups(rows: list[dict]) -> list[dict]:
   return rows
 
 
-def run(config, workdir: str) -> dict:
-  from dgr2_jax import results
-  from dgr2_jax.decode import mesh as dmesh
-  from dgr2_jax.stages import pipeline
-  from dgr2_jax.stages import traces as traces_stage
+def _models(config, workdir: str) -> tuple[str, str, list]:
+  """(the diffusion model, the AR teacher, the model dirs the bench decodes); FileNotFoundError
+  naming a missing one."""
   bc = config.bench
   final = bc.model_dir
   if not final:
-    stage = pipeline.final_model_stage(config)
+    stage = chain.final_model_stage(config)
     if stage is None:
       raise ValueError("config.bench.model_dir is empty and the pipeline has no diffusion model "
                        "stage (convert/cft/opd/rl)")
-    final = pipeline.model_dir(workdir, stage)
-  ar = bc.ar_model_dir or pipeline.teacher_model_dir(config, workdir)
-  spec = bool(bc.get("speculative", False))
-  need = [final] + ([ar] if bc.include_ar or spec else [])
+    final = chain.model_dir(workdir, stage)
+  ar = bc.ar_model_dir or chain.teacher_model_dir(config, workdir)
+  need = [final] + ([ar] if bc.include_ar or bool(bc.get("speculative", False)) else [])
   for path in need:
     if not os.path.isdir(path):
       raise FileNotFoundError(f"bench: model directory {path} does not exist (run the pipeline "
                               "up to it, or set config.bench.model_dir / ar_model_dir)")
+  return final, ar, need
+
+
+def _hash(config, workdir: str, upstream: dict) -> str:
+  need = _models(config, workdir)[2]
+  return common.config_hash(config.bench, config.eval, config.task, config.decode, config.get("seed", 0),
+                            traces_stage.upstream_hashes(upstream),
+                            [common.model_hash(p) for p in need],
+                            dmesh.describe(dmesh.from_config(config)),   # timings are the devices'
+                            workdir=workdir)
+
+
+def _fresh(config, workdir: str, out: str) -> dict:
+  del config, workdir
+  with open(os.path.join(out, "frontier.json")) as f:
+    return json.load(f)
+
+
+def _build(config, workdir: str, build: contract.Build) -> dict:
+  bc = config.bench
+  final, ar, _ = _models(config, workdir)
+  spec = bool(bc.get("speculative", False))
   batch_sizes = [int(b) or int(bc.batch_size or config.eval.batch_size) for b in bc.get("batch_sizes", (0,))]
-  chash = common.config_hash(bc, config.eval, config.task, config.decode, config.get("seed", 0),
-                             traces_stage.upstream_hashes(workdir),
-                             [common.model_hash(p) for p in need],
-                             dmesh.describe(dmesh.from_config(config)),   # timings are the devices'
-                             workdir=workdir)
-  out = common.stage_dir(workdir, STAGE)
-  if common.is_fresh(out, chash):
-    with open(os.path.join(out, "frontier.json")) as f:
-      return json.load(f)
-  with common.atomic_dir(out, chash, {"stage": STAGE}) as tmp:
+  with build.publish({"stage": "bench"}) as tmp:
     rows, rounds, models = [], int(bc.get("timing_rounds", 5)), {}
     timing_batches = int(bc.get("timing_batches", 0))
 
     def add(pending, tag, **kw):
-      row, timed = measure(config, workdir, out_dir=os.path.join(tmp, "eval", tag), models=models, **kw)
+      row, timed = measure(config, workdir, Row(**kw), os.path.join(tmp, "eval", tag), models=models)
       pending.append((row, timed))
       extra = f", {row['accepted_per_pass']:.1f} accepted per pass" if "accepted_per_pass" in row else ""
       print(f"bench: {row['decoder']} batch {row['batch_size']} B={row['block_size']} tau={row['threshold']:g}: "
@@ -218,7 +244,8 @@ def run(config, workdir: str) -> dict:
         add(pending, f"bs{batch}_ar", model_dir=ar, block_size=1, threshold=1.0, batch_size=batch)
       for b in bc.block_sizes:
         for tau in bc.thresholds:
-          add(pending, f"bs{batch}_b{b}_t{tau:g}", model_dir=final, block_size=int(b), threshold=float(tau), batch_size=batch)
+          add(pending, f"bs{batch}_b{b}_t{tau:g}", model_dir=final, block_size=int(b), threshold=float(tau),
+              batch_size=batch)
           if spec and int(b) > 1:
             add(pending, f"bs{batch}_spec_b{b}_t{tau:g}", model_dir=final, block_size=int(b), threshold=float(tau),
                 batch_size=batch, decoder="speculative", verifier_dir=ar)
@@ -231,15 +258,48 @@ def run(config, workdir: str) -> dict:
               f"{r['tokens_per_s']:.1f} tok/s", flush=True)
     add_speedups(rows)
     obj = results.write_frontier(os.path.join(workdir, "results"), rows,
-                                 results.meta(chash, bench=common.to_plain(bc),
+                                 results.meta(build.chash, bench=common.to_plain(bc),
                                               devices=dmesh.describe(dmesh.from_config(config))))
     common.write_json_atomic(os.path.join(tmp, "frontier.json"), obj)
   return obj
 
 
+# Reads the traces and the stages they are built from (its models: bench.*model_dir or the chain's).
+STAGE = contract.Stage(name="bench", reads=traces_stage.UPSTREAM + ("traces",), hashed=_hash, build=_build,
+                       fresh=_fresh)
+
+
+def run(config, workdir: str) -> dict:
+  """Measures (or reuses) the frontier in `workdir/bench`; returns the frontier object."""
+  return contract.run(STAGE, config, workdir)
+
+
+def bench_config() -> ml_collections.ConfigDict:
+  """Speed/accuracy frontier (dgr2_jax.stages.bench)."""
+  c = ml_collections.ConfigDict()
+  c.thresholds = (1.0, 0.9, 0.6, 0.4)  # tau of each diffusion row of the frontier
+  c.block_sizes = (32,)  # block sizes benchmarked (each divides decode.max_new_tokens)
+  c.include_ar = True        # the AR row (block 1, the SFT model): the speedup reference
+  c.model_dir = ""           # '' => the last model stage of pipeline.stages (rl/opd/cft/convert)
+  c.ar_model_dir = ""        # '' => workdir/sft/model
+  c.split = ""               # '' => eval.split
+  c.max_examples = 0         # 0 => eval.max_examples
+  c.batch_size = 0           # 0 => eval.batch_size
+  # Every row at each of these batch sizes: 1 (the paper's latency regime) and 0 => the eval batch
+  # (throughput); speedups are against the AR row of the same batch size.
+  c.batch_sizes = (1, 0)
+  c.speculative = True       # rows of speculative decoding (the diffusion model drafts, AR verifies)
+  # Speed: after every row of a batch size has decoded once (metrics, compilation), the rows decode
+  # their batches again in turn, this many rounds; a row's seconds are its median round.
+  c.timing_rounds = 5
+  # ... and only the first this many batches of each row (0 = all): on a whole split at 512 new
+  # tokens, timing every batch five times more would take hours per row at Qwen3-8B.
+  c.timing_batches = 0
+  return c
+
+
 def validate(config, runs: set) -> None:
   """Checks the `bench` config section (model directories only when the bench stage runs)."""
-  from dgr2_jax import checks
   c = config
   if "bench" not in c:
     return
@@ -249,12 +309,13 @@ def validate(config, runs: set) -> None:
   for tau in b.thresholds:
     if not 0.0 < float(tau) <= 1.0:
       checks.fail("bench.thresholds", f"every threshold must be in (0, 1], got {tau}")
-  for bsz in b.get("batch_sizes", (0,)):
+  defaults = bench_config()  # a field the section leaves out has its default
+  for bsz in b.get("batch_sizes", defaults.batch_sizes):
     if not checks.is_int(bsz, 0):
       checks.fail("bench.batch_sizes", f"every batch size must be an int >= 0 (0 = eval.batch_size), got {bsz!r}")
-  if not checks.is_int(b.get("timing_rounds", 5), 1):
+  if not checks.is_int(b.get("timing_rounds", defaults.timing_rounds), 1):
     checks.fail("bench.timing_rounds", f"must be an int >= 1, got {b.timing_rounds!r}")
-  if not checks.is_int(b.get("timing_batches", 0), 0):
+  if not checks.is_int(b.get("timing_batches", defaults.timing_batches), 0):
     checks.fail("bench.timing_batches", f"must be an int >= 0 (0 = every batch), got {b.timing_batches!r}")
   for bs in b.block_sizes:
     if not checks.is_int(bs, 1):

@@ -14,9 +14,18 @@ from __future__ import annotations
 import logging
 import os
 
-from dgr2_jax.stages import common
+import jax
 
-STAGE = "cft"
+from dgr2_jax import chain
+from dgr2_jax.model import checkpoint as model_ckpt
+from dgr2_jax.model import qwen3
+from dgr2_jax.stages import common
+from dgr2_jax.stages import contract
+from dgr2_jax.stages import traces as traces_stage
+from dgr2_jax.task import pipeline
+from dgr2_jax.task import prompts as prompts_lib
+from dgr2_jax.task import tokenizer as tok_lib
+from dgr2_jax.train import cft, loop
 
 
 def stage_train_config(config, workdir_stage_cfg, n_examples: int):
@@ -37,35 +46,31 @@ def stage_train_config(config, workdir_stage_cfg, n_examples: int):
 
 def choice_after_id(tokenizer) -> int:
   """The one token of ' #' that precedes a candidate number in the reasoning (`cft.choice_weight`)."""
-  from dgr2_jax.task import prompts as prompts_lib
   ids = prompts_lib.encode(tokenizer, " #")
   if len(ids) != 1:
     raise ValueError(f"cft.choice_weight needs ' #' to be one token; this tokenizer gives {ids}")
   return ids[0]
 
 
-def run(config, workdir: str) -> str:
-  import jax
-  from dgr2_jax.model import checkpoint as model_ckpt
-  from dgr2_jax.stages import traces as traces_stage
-  from dgr2_jax.stages.sft import prepare_train_dir
-  from dgr2_jax.task import pipeline
-  from dgr2_jax.task import tokenizer as tok_lib
-  from dgr2_jax.train import cft, loop
+def _source(config, workdir: str) -> tuple[str, str]:
+  """(the previous model stage, the model to convert: `cft.init_from` or that stage's model)."""
+  prev = chain.previous_model_stage(config, "cft")
+  return prev, config.cft.get("init_from", "") or chain.model_dir(workdir, prev)
 
-  from dgr2_jax.stages import pipeline as pipeline_stage
+
+def _hash(config, workdir: str, upstream: dict) -> str:
+  prev, init_from = _source(config, workdir)
+  up = [upstream["traces"], contract.upstream(workdir, [prev])[prev]]
+  return common.config_hash(config.seed, config.cft, config.train, config.task, init_from, up, workdir=workdir)
+
+
+def _build(config, workdir: str, build: contract.Build) -> str:
   cc = config.cft
-  prev = pipeline_stage.previous_model_stage(config, STAGE)
-  init_from = cc.get("init_from", "") or pipeline_stage.model_dir(workdir, prev)
-  upstream = [(common.read_done(common.stage_dir(workdir, s)) or {}).get("config_hash") for s in ("traces", prev)]
-  chash = common.config_hash(config.seed, cc, config.train, config.task, init_from, upstream, workdir=workdir)
-  out = common.stage_dir(workdir, STAGE)
-  if common.is_fresh(out, chash):
-    return out
+  prev, init_from = _source(config, workdir)
   if not os.path.isdir(init_from):
     raise FileNotFoundError(f"cft: the model to convert does not exist: {init_from} (run the {prev} stage, "
                             "or set cft.init_from)")
-  train_dir = prepare_train_dir(out, chash)
+  train_dir = build.train_dir()
 
   tok_dir = traces_stage.tokenizer_dir(config, workdir)
   tokenizer = tok_lib.load_tokenizer(tok_dir)
@@ -78,7 +83,6 @@ def run(config, workdir: str) -> str:
                      "records no mask_token_id (convert the checkpoint with --mask_token)")
   bs = int(cc.block_size)
   mc = mc.as_block_diffusion(bs, mask_id).with_runtime(config.get("model"))
-  from dgr2_jax.model import qwen3
   params = qwen3.to_layout(mc, params)
   arrays, counts = traces_stage.load_split_arrays(config, workdir, "train", tokenizer=tokenizer)
   n = len(arrays["prompt_ids"])
@@ -86,18 +90,28 @@ def run(config, workdir: str) -> str:
   logging.info("cft: %d examples, %d steps, block size %d", n, tconfig.train.total_steps, bs)
   batch_iter = pipeline.make_iterator(arrays, int(tconfig.train.batch_size), seed=int(config.seed),
                                       field="train.batch_size")
-  kw = dict(block_size=bs, mask_id=int(mask_id), eps=float(cc.eps), weighting=str(cc.loss_weighting),
+  kw = dict(eps=float(cc.eps), weighting=str(cc.loss_weighting),
             reasoning_weight=float(cc.reasoning_weight), answer_weight=float(cc.answer_weight),
             complementary=bool(cc.complementary_mask))
   if float(cc.get("choice_weight", 1.0)) != 1.0:
     kw.update(choice_weight=float(cc.choice_weight), choice_after_id=choice_after_id(tokenizer))
+  options = cft.LossOptions(**kw)
 
   def loss_fn(p, batch, rng):
-    return cft.cft_loss(mc, p, batch, rng, **kw)
+    return cft.cft_loss(mc, p, batch, rng, block_size=bs, mask_id=int(mask_id), options=options)
 
   state = loop.train(tconfig, train_dir, params=params, loss_fn=loss_fn, batch_iter=batch_iter, desc="cft")
-  with common.atomic_dir(out, chash, extra={"steps": int(tconfig.train.total_steps), "examples": counts}) as tmp:
+  with build.publish({"steps": int(tconfig.train.total_steps), "examples": counts}) as tmp:
     model_ckpt.save_model_dir(os.path.join(tmp, "model"), mc, state["params"], tokenizer_src=tok_dir)
     if jax.process_index() == 0:
       os.replace(train_dir, os.path.join(tmp, "train"))
-  return out
+  return build.out
+
+
+# Reads the traces and (a chain stage) the model it converts.
+STAGE = contract.Stage(name="cft", reads=("traces",), chain=True, hashed=_hash, build=_build)
+
+
+def run(config, workdir: str) -> str:
+  """Trains (or reuses) `workdir/cft`; returns its path."""
+  return contract.run(STAGE, config, workdir)

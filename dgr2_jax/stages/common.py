@@ -6,8 +6,8 @@ it reads). Outputs are written to a temporary sibling and renamed into place, so
 stage never leaves a half-written directory that looks finished.
 
 Several processes: freshness is decided on process 0 and broadcast; `atomic_dir` is collective
-(one temporary directory, process 0 publishes); host-side stages run on process 0 alone while the
-others wait (`run_host_stage`). See `dgr2_jax.multihost`.
+(one temporary directory, process 0 publishes). How a stage uses these is the stage contract's
+(stages/contract.py). See `dgr2_jax.multihost`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from typing import Any, Iterator
 
+from dgr2_jax import chain
 from dgr2_jax import multihost
 from dgr2_jax.fileio import is_writer, read_done, to_plain, write_json_atomic, write_text_atomic  # noqa: F401 (re-exported)
 
@@ -102,12 +103,6 @@ def atomic_dir(path: str, chash: str, extra: dict | None = None) -> Iterator[str
     raise
 
 
-def run_host_stage(name: str, fn, config, workdir: str):
-  """A host-side stage (data, sids, retriever, traces, convert): process 0 runs it while the
-  others wait, then they run it too and find it fresh (reading only)."""
-  return multihost.writer_first(f"stage.{name}", lambda: fn(config, workdir))
-
-
 def model_hash(model_dir: str) -> str | None:
   """Identity of a model directory for cache keys: the config hash of the stage that wrote
   `workdir/<stage>/model` (its DONE.json is one level up), else config.json's mtime and size
@@ -119,27 +114,10 @@ def model_hash(model_dir: str) -> str | None:
   return f"{os.path.getmtime(f)}:{os.path.getsize(f)}" if os.path.exists(f) else None
 
 
-# The pipeline's stage order and model chain live below the stages (the server reads them too).
-from dgr2_jax.chain import (AR_STAGES, MODEL_STAGES, ORDER, enabled_stages, model_dir,  # noqa: E402,F401
-                            teacher_model_dir, teacher_stage)
-
-
-def previous_model_stage(config, stage: str) -> str:
-  """The model stage `stage` starts from: the last enabled model stage before it."""
-  if stage not in MODEL_STAGES:
-    raise ValueError(f"{stage!r} is not a model stage ({MODEL_STAGES})")
-  on = enabled_stages(config)
-  # sft counts even when dropped from the list: its model may come from an earlier run.
-  before = [s for s in MODEL_STAGES[:MODEL_STAGES.index(stage)] if s in on or s == "sft"]
-  if not before:
-    raise ValueError(f"stage {stage!r} has no model stage before it")
-  return before[-1]
-
-
 def previous_model_dir(config, workdir: str, stage: str) -> str:
   """`workdir/<previous model stage>/model`; FileNotFoundError when it was not built."""
-  prev = previous_model_stage(config, stage)
-  path = model_dir(workdir, prev)
+  prev = chain.previous_model_stage(config, stage)
+  path = chain.model_dir(workdir, prev)
   if read_done(stage_dir(workdir, prev)) is None or not os.path.isdir(path):
     raise FileNotFoundError(f"{path} is not built: run the {prev!r} stage before {stage!r}")
   return path

@@ -1,6 +1,6 @@
 """Stage `convert`: the weight-lossless (naive) conversion of the AR teacher to block diffusion.
 
-Reads `workdir/sft/model` (the model stage before `convert`, see `pipeline.previous_model_dir`)
+Reads `workdir/sft/model` (the model stage before `convert`, see `common.previous_model_dir`)
 and writes `workdir/convert/model`: the same weight files, byte for byte (hard links where the
 filesystem allows, else copies), and a `config.json` whose only change is the "dgr2" block of
 `Qwen3Config.as_block_diffusion(config.cft.block_size)`: block size, mask token id and
@@ -14,9 +14,13 @@ import json
 import os
 import shutil
 
+from dgr2_jax import chain
+from dgr2_jax.model import checkpoint
+from dgr2_jax.model.config import Qwen3Config
 from dgr2_jax.stages import common
+from dgr2_jax.stages import contract
+from dgr2_jax.task import tokenizer as tok_lib
 
-STAGE = "convert"
 CONFIG_FILE = "config.json"
 MASK_TOKEN = "<|mask|>"
 
@@ -24,9 +28,7 @@ MASK_TOKEN = "<|mask|>"
 def _mask_token_id(src: str, model_config) -> int:
   if model_config.mask_token_id is not None:
     return int(model_config.mask_token_id)
-  from dgr2_jax.model import checkpoint
   if checkpoint.has_tokenizer(src):
-    from dgr2_jax.task import tokenizer as tok_lib
     vocab = tok_lib.load_tokenizer(src).get_vocab()
     if MASK_TOKEN in vocab:
       return int(vocab[MASK_TOKEN])
@@ -43,7 +45,6 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 def convert_dir(src: str, dst: str, block_size: int) -> dict:
   """Writes `dst` (which must not exist) from model dir `src`; returns the new config.json dict."""
-  from dgr2_jax.model.config import Qwen3Config
   cfg_file = os.path.join(src, CONFIG_FILE)
   if not os.path.isfile(cfg_file):
     raise FileNotFoundError(f"missing {CONFIG_FILE} in {src}")
@@ -65,18 +66,27 @@ def convert_dir(src: str, dst: str, block_size: int) -> dict:
   return out
 
 
-def run(config, workdir: str) -> str:
-  from dgr2_jax.stages import pipeline
-  src = pipeline.previous_model_dir(config, workdir, STAGE)
-  src_stage = pipeline.previous_model_stage(config, STAGE)
-  upstream = common.read_done(common.stage_dir(workdir, src_stage))["config_hash"]
+def _hash(config, workdir: str, upstream: dict) -> str:
+  del upstream  # its source is the chain's previous model, whichever stage that is
+  common.previous_model_dir(config, workdir, "convert")   # FileNotFoundError when not built
+  src_stage = chain.previous_model_stage(config, "convert")
+  return common.config_hash({"block_size": int(config.cft.block_size)},
+                            contract.upstream(workdir, [src_stage])[src_stage], workdir=workdir)
+
+
+def _build(config, workdir: str, build: contract.Build) -> str:
+  src = common.previous_model_dir(config, workdir, "convert")
   block = int(config.cft.block_size)
-  chash = common.config_hash({"block_size": block}, upstream, workdir=workdir)
-  out = common.stage_dir(workdir, STAGE)
-  if common.is_fresh(out, chash):
-    return out
-  with common.atomic_dir(out, chash, {"stage": STAGE, "source": src, "block_size": block}) as tmp:
+  with build.publish({"stage": "convert", "source": src, "block_size": block}) as tmp:
     d = convert_dir(src, os.path.join(tmp, "model"), block)
-  print(f"convert: {src} -> {os.path.join(out, 'model')} (block_size {block}, mask token id "
+  print(f"convert: {src} -> {os.path.join(build.out, 'model')} (block_size {block}, mask token id "
         f"{d['dgr2']['mask_token_id']})", flush=True)
-  return out
+  return build.out
+
+
+STAGE = contract.Stage(name="convert", chain=True, hashed=_hash, build=_build, host_only=True)
+
+
+def run(config, workdir: str) -> str:
+  """Converts (or reuses) `workdir/convert`; returns its path."""
+  return contract.run(STAGE, config, workdir)

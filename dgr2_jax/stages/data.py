@@ -1,8 +1,8 @@
 """Stage 'data': builds the TFDS dataset (array_record) into `workdir/data/` and its statistics.
 
 Outputs: `data/tfds/` (the TFDS build), `data/stats.json` (users, items, interactions, avg_seq_len
-(exact), ...), `data/items.jsonl` and
-`data/sequences.json` (plain copies of the records read back through TFDS + grain), `data/user_map.tsv` and `data/item_map.tsv` (index -> raw id), `DONE.json`.
+(exact), ...), `data/items.jsonl` and `data/sequences.json` (plain copies of the records read back
+through TFDS + grain), `data/user_map.tsv` and `data/item_map.tsv` (index -> raw id), `DONE.json`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from dgr2_jax.data import api
 from dgr2_jax.data import beauty
 from dgr2_jax.data import tfds_builders
 from dgr2_jax.stages import common
+from dgr2_jax.stages import contract
 
 
-def stage_hash(config) -> str:
+def stage_hash(config, workdir: str | None = None, upstream: dict | None = None) -> str:
+  del workdir, upstream  # reads no other stage; its inputs are named by config.data
   parts = [config.data.to_dict()]
   if config.data.source == "synthetic":
     parts.append({"seed": config.seed})
@@ -31,16 +33,18 @@ def stage_hash(config) -> str:
   return common.config_hash(*parts)
 
 
-def run(config, workdir: str) -> dict:
-  """Builds (or reuses) `workdir/data`; returns the stats dict."""
-  out = common.stage_dir(workdir, "data")
-  chash = stage_hash(config)
-  if common.is_fresh(out, chash):
-    st = api.load_stats(workdir)
-    logging.info("data: fresh (%s); %s", chash, beauty.format_stats(st))
-    return st
+def _fresh(config, workdir: str, out: str) -> dict:
+  del config, out
+  st = api.load_stats(workdir)
+  logging.info("data: %s", beauty.format_stats(st))
+  return st
+
+
+def _build(config, workdir: str, build: contract.Build) -> dict:
+  """Builds `workdir/data`; returns the stats dict."""
+  del workdir
   t0 = time.time()
-  with common.atomic_dir(out, chash, {"stage": "data"}) as tmp:
+  with build.publish({"stage": "data"}) as tmp:
     tfds_dir = os.path.join(tmp, "tfds")
     tfds_builders.build(config.data, int(config.seed), tfds_dir)
     # Read back through the TFDS data source + grain: the stats check the stored records.
@@ -78,3 +82,11 @@ def run(config, workdir: str) -> dict:
         f.write(f"{int(r['item'])}\t{r['raw_id'].decode()}\t{r['asin'].decode()}\n")
   print(f"data: {beauty.format_stats(st)}  ({st['build_seconds']:.1f}s)", flush=True)
   return st
+
+
+STAGE = contract.Stage(name="data", hashed=stage_hash, build=_build, fresh=_fresh, host_only=True)
+
+
+def run(config, workdir: str) -> dict:
+  """Builds (or reuses) `workdir/data`; returns the stats dict."""
+  return contract.run(STAGE, config, workdir)

@@ -6,9 +6,9 @@ static batches of `config.eval.batch_size` (the last batch padded with copies of
 whose outputs are discarded) with `dgr2_jax.decode.sampler.generate` and `config.decode.*`,
 parses every output (invalid => the retriever's order, counted as a fallback) and writes to
 `config.eval.output_dir` or `workdir/eval/<name>`:
-- `predictions.jsonl`: example_id, user, history and candidates (item ids), prompt_len, output (decoded text), ranking (parsed SIDs),
-  ranking_items (item indices, valid outputs only), verdict, flags, target, target_pos, rank
-  (1-based rank used for scoring), fallback, nfe, commit_steps, reasoning_tokens;
+- `predictions.jsonl`: example_id, user, history and candidates (item ids), prompt_len, output
+  (decoded text), ranking (parsed SIDs), ranking_items (item indices, valid outputs only), verdict,
+  flags, target, target_pos, rank (1-based rank used for scoring), fallback, nfe, commit_steps, reasoning_tokens;
 - `metrics.json`: recall@1, recall@3, ndcg@3, valid_rate, duplicate_rate, omission_rate,
   out_of_set_rate, unparseable_rate, fallback_rate, mean_nfe, mean_reasoning_tokens, n, plus
   the pre-rank floor of the same examples and the settings used.
@@ -25,14 +25,16 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import numpy as np
 import tqdm
 
+from dgr2_jax import chain
 from dgr2_jax.decode import mesh as dmesh
 from dgr2_jax.decode import runtime
 from dgr2_jax.stages import common
+from dgr2_jax.stages import contract
 from dgr2_jax.stages import traces as traces_stage
-from dgr2_jax.task import answer as answer_lib
 from dgr2_jax.task import metrics as metrics_lib
 from dgr2_jax.task import pipeline as pipeline_lib
 from dgr2_jax.task import tokenizer as tok_lib
@@ -52,11 +54,11 @@ def _tokenizer_path(config, workdir: str) -> str:
 
 def verifier_dir(config, workdir: str) -> str | None:
   """The verifier of `decode.mode='speculative'`: `decode.verifier_dir`, else the workdir's AR
-  teacher (`common.teacher_model_dir`); None for threshold decoding."""
+  teacher (`chain.teacher_model_dir`); None for threshold decoding."""
   dec = config.get("decode", {})
   if dec.get("mode", "threshold") != "speculative":
     return None
-  path = dec.get("verifier_dir", "") or common.teacher_model_dir(config, workdir)
+  path = dec.get("verifier_dir", "") or chain.teacher_model_dir(config, workdir)
   if not os.path.isdir(path):
     raise FileNotFoundError(f"config.decode.verifier_dir: verifier model {path!r} does not exist (the AR "
                             "teacher of the workdir by default: run the sft stage, or set it)")
@@ -67,22 +69,30 @@ def verifier_dir(config, workdir: str) -> str | None:
 
 
 
-def run(config, workdir: str, generate_fn=None, models: dict | None = None) -> str:
-  """Decodes and scores `config.eval.split` -> the output directory. `models`: see `load_on_device`."""
-  ec, tc = config.eval, config.task
-  if not ec.model_dir and generate_fn is None:
-    raise ValueError("config.eval.model_dir is required for --config.stage=eval")
+def _hash(config, workdir: str, upstream: dict) -> str:
+  ec = config.eval
   if ec.batch_size < 1:
     raise ValueError(f"config.eval.batch_size must be >= 1, got {ec.batch_size}")
   model_done = common.model_hash(ec.model_dir) if ec.model_dir else None
   verifier = verifier_dir(config, workdir)
-  chash = common.config_hash(ec, tc, config.get("decode", {}), config.get("seed", 0),
-                             traces_stage.upstream_hashes(workdir), model_done,
-                             [verifier, common.model_hash(verifier)] if verifier else None, workdir=workdir)
-  name = ec.name or f"{ec.split}-{chash[:8]}"
-  out = ec.output_dir or os.path.join(workdir, "eval", name)
-  if common.is_fresh(out, chash):
-    return out
+  return common.config_hash(ec, config.task, config.get("decode", {}), config.get("seed", 0),
+                            traces_stage.upstream_hashes(upstream), model_done,
+                            [verifier, common.model_hash(verifier)] if verifier else None, workdir=workdir)
+
+
+def output_dir(config, workdir: str, chash: str, name: str) -> str:
+  """`eval.output_dir`, else `workdir/eval/<eval.name>` (default `<split>-<hash>`)."""
+  del name
+  ec = config.eval
+  return ec.output_dir or os.path.join(workdir, "eval", ec.name or f"{ec.split}-{chash[:8]}")
+
+
+def _build(config, workdir: str, build: contract.Build, generate_fn=None, models: dict | None = None) -> str:
+  """Decodes and scores `config.eval.split` -> the output directory. `models`: see `load_on_device`."""
+  ec, tc = config.eval, config.task
+  if not ec.model_dir and generate_fn is None:
+    raise ValueError("config.eval.model_dir is required for --config.stage=eval")
+  verifier = verifier_dir(config, workdir)
   d = traces_stage.load_task_data(workdir)
   sids = d["sids"]
   examples, counts = traces_lib.build_examples(d["sequences"], d["candidates"][ec.split],
@@ -106,7 +116,6 @@ def run(config, workdir: str, generate_fn=None, models: dict | None = None) -> s
     else:
       generate_fn = runtime.threshold_generate(mesh)
   dcfg = runtime.decode_config(config, tids, model_config)
-  import jax
   rng = jax.random.PRNGKey(int(config.get("seed", 0)))
   records, bs = [], ec.batch_size
   for s in tqdm.tqdm(range(0, len(prompts), bs), desc=f"eval {ec.split}"):
@@ -134,10 +143,23 @@ def run(config, workdir: str, generate_fn=None, models: dict | None = None) -> s
   metrics.update(split=ec.split, model_dir=ec.model_dir, examples=counts,
                  prerank_floor=metrics_lib.prerank_floor([e["target_pos"] for e in examples]),
                  decode=common.to_plain(config.get("decode", {})))
-  with common.atomic_dir(out, chash) as tmp:
+  with build.publish() as tmp:
     if common.is_writer():  # several processes: process 0 writes
       with open(os.path.join(tmp, "predictions.jsonl"), "w") as f:
         for r in records:
           f.write(json.dumps(r, ensure_ascii=False) + "\n")
     common.write_json_atomic(os.path.join(tmp, "metrics.json"), metrics)
-  return out
+  return build.out
+
+
+# Reads the traces and the stages they are built from (the model is named by eval.model_dir).
+STAGE = contract.Stage(name="eval", reads=traces_stage.UPSTREAM + ("traces",), hashed=_hash, build=_build,
+                       output=output_dir)
+
+
+def run(config, workdir: str, generate_fn=None, models: dict | None = None) -> str:
+  """Decodes and scores `config.eval.split` (unless fresh) -> the output directory. `models`: see
+  `load_on_device`; `generate_fn` replaces the decoder (the bench stage's timed one, tests)."""
+  if not config.eval.model_dir and generate_fn is None:   # before a fresh output is returned
+    raise ValueError("config.eval.model_dir is required for --config.stage=eval")
+  return contract.run(STAGE, config, workdir, generate_fn=generate_fn, models=models)

@@ -30,10 +30,19 @@ import json
 import os
 import tempfile
 
+import jax
 import numpy as np
 import tqdm
 
+from dgr2_jax import checks
+from dgr2_jax.decode import mesh as dmesh
+from dgr2_jax.decode import runtime
+from dgr2_jax.decode import sampler
+from dgr2_jax.decode import speculative
 from dgr2_jax.fileio import InputError
+from dgr2_jax.model import checkpoint
+from dgr2_jax.stages import contract
+from dgr2_jax.task import tokenizer as tok_lib
 
 PROMPT_ROUND = 64
 MASK_TOKEN = "<|mask|>"
@@ -124,9 +133,6 @@ def generate_all(model_config, params, prompts, dcfg, batch_size: int, max_promp
   `sampler.generate` on `mesh` (default) or the speculative one (`runtime.speculative_generate`,
   given the same mesh). `mesh` (decode/mesh.py; None = the default device): each batch's rows
   over its data axis, the model over its tensor axis."""
-  import jax
-  from dgr2_jax.decode import mesh as dmesh
-  from dgr2_jax.decode import runtime
   generate_fn = generate_fn or runtime.threshold_generate(mesh)
   params = dmesh.put_params(mesh, params) if mesh is not None else jax.device_put(params)
   rng = jax.random.PRNGKey(seed)
@@ -164,8 +170,6 @@ def write_jsonl_atomic(path: str, records) -> None:
 def run(config, workdir: str | None = None) -> str:
   """Reads config.input, writes config.output; returns the output path."""
   del workdir  # explicit paths only
-  from dgr2_jax.decode import sampler
-  from dgr2_jax.model import checkpoint
   if not config.model_dir:
     raise ValueError("config.model_dir is required for config.stage='generate'")
   if not config.input or not os.path.isfile(config.input):
@@ -173,11 +177,9 @@ def run(config, workdir: str | None = None) -> str:
   if not config.output:
     raise ValueError("config.output is required for config.stage='generate'")
   checkpoint.detect_format(config.model_dir)  # fails early, before reading the prompts
-  from dgr2_jax.decode import mesh as dmesh
   mesh = dmesh.from_config(config)             # so does a decode.mesh that does not fit the devices
   tokenizer = None
   if checkpoint.has_tokenizer(config.model_dir):
-    from dgr2_jax.task import tokenizer as tok_lib
     tokenizer = tok_lib.load_tokenizer(config.model_dir)
   prompts = read_prompts(config.input, tokenizer, bool(config.get("enable_thinking", True)))
   model_config, params = checkpoint.load_model_dir(config.model_dir)
@@ -191,13 +193,11 @@ def run(config, workdir: str | None = None) -> str:
   slots = prompt_slots(prompts, int(config.get("max_prompt_len", 0)))
   generate_fn = None
   if d.get("mode", "threshold") == "speculative":
-    from dgr2_jax.decode import runtime
     if not d.get("verifier_dir", ""):
       raise ValueError("config.decode.verifier_dir is required with decode.mode='speculative' (the AR model "
                        "that verifies the drafts of config.model_dir)")
     models = {}   # the verifier is read once, for the pair check and for decoding
     vcfg = runtime.load_on_device(d.verifier_dir, None, models, mesh)[0]
-    from dgr2_jax.decode import speculative
     speculative.check_pair(model_config, vcfg, dcfg.mask_token_id)
     generate_fn = runtime.speculative_generate(d.verifier_dir, None, models, mesh)
   recs = generate_all(model_config, params, prompts, dcfg, int(config.batch_size), slots,
@@ -212,9 +212,12 @@ def run(config, workdir: str | None = None) -> str:
   return config.output
 
 
+# Explicit paths, no workdir: no freshness, nothing in the pipeline.
+STAGE = contract.Stage(name="generate", build=run, workdir=False)
+
+
 def validate(config, runs: set) -> None:
   """Checks the generate preset's fields (configs/generate.py) when the generate stage runs."""
-  from dgr2_jax import checks
   c = config
   if "generate" not in runs:
     return

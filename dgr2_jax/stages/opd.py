@@ -1,13 +1,13 @@
 """Stage `opd`: on-policy distillation of the diffusion student from the frozen AR teacher.
 
 Reads the student (`config.opd.init_from`, else the previous model stage's dir: `workdir/cft/model`
-normally, see `pipeline.previous_model_dir`), the teacher (`config.opd.teacher_dir`, else the AR
-teacher, `workdir/teacher_rl/model` or `workdir/sft/model`; not read for teacher 'self_tau1') and the train split's prompts
-(`workdir/traces/train.jsonl` via `traces.load_split_arrays`). Writes `workdir/opd/model`
+normally, see `common.previous_model_dir`), the teacher (`config.opd.teacher_dir`, else the AR
+teacher, `workdir/teacher_rl/model` or `workdir/sft/model`; not read for teacher 'self_tau1') and
+the train split's prompts (`workdir/traces/train.jsonl` via `traces.load_split_arrays`). Writes `workdir/opd/model`
 (`save_model_dir`, with the tokenizer), `workdir/opd/train/` (checkpoints, metrics.jsonl,
 tensorboard) and DONE.json.
 
-Training runs through `rollouts.train_on_policy` (the on-policy twin of `loop.train`): per step,
+Training runs through `rollouts.train_on_policy` (`loop.train` with on-policy batches): per step,
 `opd.prompts_per_step` prompts x `opd.rollouts_per_prompt` rollouts are decoded from the CURRENT
 params with `config.decode` (temperature `opd.temperature`), the teacher scores them once (its
 cache goes into the batch), and one optimizer step of `train.opd.opd_loss` follows. The student
@@ -15,7 +15,7 @@ is scored on the canvases `opd.student_context` names (train/opd.py: 'replay', t
 canvas, or 'prefix', P and o_<t). The train config is `config.train` with batch_size = rows,
 total_steps = `opd.steps` (0: `opd.epochs` passes over the prompts), a constant lr `opd.lr`
 without warmup. Resumes like the SFT stage. With `opd.valid_every` > 0 a greedy validation curve
-(`validator`, as the RL stages') is written to `workdir/opd/valid_curve.json`, and `opd.keep_best`
+(`on_policy.validator`, as the RL stages') is written to `workdir/opd/valid_curve.json`, and `opd.keep_best`
 keeps its best point's model (step 0 = the student before distillation) instead of the last.
 Metrics per step: loss (= KL to the teacher), top1_agreement, reward mean/std, valid_rate,
 overlong_rate, mean_nfe, mean_response_tokens, replay_exact, rollout_time_s, update_time_s.
@@ -33,100 +33,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dgr2_jax import chain
 from dgr2_jax.stages import common
-from dgr2_jax.stages import sft as sft_stage
-from dgr2_jax.train.config import section  # noqa: F401 (rl, teacher_rl and benchmarks read it here)
-
-STAGE = "opd"
-PROMPT_KEYS = ("prompt_ids", "prompt_len", "target_rank_in_candidates", "candidates", "example_id")
-
-
-def task_setup(config, workdir: str, split: str = "train") -> dict:
-  """Tokenizer, token ids, SIDs and the split's prompts (rows whose target is among the candidates)."""
-  from dgr2_jax.stages import traces as traces_stage
-  from dgr2_jax.task import pipeline
-  from dgr2_jax.task import tokenizer as tok_lib
-  tok_dir = traces_stage.tokenizer_dir(config, workdir)
-  tokenizer = tok_lib.load_tokenizer(tok_dir)
-  arrays, counts = traces_stage.load_split_arrays(config, workdir, split, tokenizer=tokenizer,
-                                                 rejected=True)
-  keep = arrays["target_rank_in_candidates"] >= 1
-  if not keep.any():
-    raise ValueError(f"{workdir}/traces/{split}.jsonl: no {split} example has its target among the candidates")
-  prompts = {k: arrays[k][keep] for k in PROMPT_KEYS}
-  _, sids = traces_stage.load_items_sids(workdir)
-  return dict(tok_dir=tok_dir, tokenizer=tokenizer, tids=tok_lib.token_ids(tokenizer), sids=sids,
-              prompts=prompts, counts=counts)
-
-
-def on_policy_config(config, *, rows: int, steps: int, lr: float, grad_accum: int):
-  """Copy of `config` whose `train` section drives the on-policy loop (constant lr, no warmup)."""
-  c = config.copy_and_resolve_references()
-  c.train.batch_size = int(rows)
-  c.train.total_steps = int(steps)
-  c.train.grad_accum_steps = int(grad_accum)
-  c.train.optimizer.peak_lr = float(lr)
-  c.train.optimizer.schedule = "constant"
-  c.train.optimizer.warmup_steps = 0
-  return c
-
-
-def load_policy(config, model_dir: str):
-  """(config, params) of a model dir, with `config.model`'s runtime fields (compute dtype, remat,
-  attention route, logits chunk: `Qwen3Config.with_runtime`)."""
-  from dgr2_jax.model import checkpoint as model_ckpt
-  from dgr2_jax.model import qwen3
-  from dgr2_jax.train import loop
-  # Several processes: read straight into the training shardings (no whole copy per process).
-  mc, params = model_ckpt.load_model_dir(model_dir, shardings=loop.model_shardings(config))
-  mc = mc.with_runtime(config.get("model"))
-  return mc, qwen3.to_layout(mc, params)
-
-
-def rollout_decode_config(config, tids, model_config, temperature: float):
-  from dgr2_jax.decode import runtime
-  dc = runtime.decode_config(config, tids, model_config)
-  return dataclasses.replace(dc, temperature=float(temperature))
-
-
-def score_rollouts(roll: dict, prompts: dict, group_size: int, task: dict, alpha: float) -> dict:
-  """Parses every rollout and computes its reward (grpo.rewards); overlong => None => -1."""
-  from dgr2_jax.task import answer as answer_lib
-  from dgr2_jax.train import grpo
-  cands = np.repeat(prompts["candidates"], group_size, axis=0)
-  r_d = np.repeat(prompts["target_rank_in_candidates"], group_size, axis=0)
-  parsed = []
-  for ids, fin, cand in zip(roll["output_ids"], roll["finished"], cands):
-    if not fin:
-      parsed.append(None)
-      continue
-    text = task["tokenizer"].decode(ids, skip_special_tokens=False)
-    parsed.append(answer_lib.parse_response(text, [task["sids"][int(i)] for i in cand]))
-  rew = grpo.rewards(parsed, r_d, cands.shape[1], alpha)
-  valid = np.asarray([p is not None and p.valid for p in parsed])
-  return dict(rewards=rew, valid=valid)
-
-
-def rollout_metrics(roll: dict, scored: dict, seg: dict) -> dict:
-  return {"reward_mean": float(scored["rewards"].mean()), "reward_std": float(scored["rewards"].std()),
-          "valid_rate": float(scored["valid"].mean()), "overlong_rate": float(1 - roll["finished"].mean()),
-          "mean_nfe": float(roll["nfe"].mean()), "mean_response_tokens": float(roll["loss_mask"].sum(1).mean()),
-          "replay_exact": float(seg["exact"].mean())}
-
-
-def prompt_iterator(prompts: dict, prompts_per_step: int, seed: int):
-  from dgr2_jax.task import pipeline
-  n = len(prompts["prompt_ids"])
-  if n < prompts_per_step:
-    raise ValueError(f"prompts_per_step ({prompts_per_step}) is more than the {n} train prompts")
-  return pipeline.make_iterator(prompts, prompts_per_step, seed=seed, field="prompts_per_step")
+from dgr2_jax.stages import contract
+from dgr2_jax.stages import on_policy
+from dgr2_jax.stages.on_policy import load_policy, rollout_decode_config, rollout_metrics, score_rollouts
+from dgr2_jax.train import grpo, loop, opd, rollouts
+from dgr2_jax.train.config import section
 
 
 def teacher_model_dir(config, oc, workdir: str) -> str:
-  """`opd.teacher_dir`, else the workdir's AR teacher (`pipeline.teacher_model_dir`: teacher_rl's
+  """`opd.teacher_dir`, else the workdir's AR teacher (`chain.teacher_model_dir`: teacher_rl's
   model when that stage runs, else sft's); '' for the 'self_tau1' teacher."""
-  from dgr2_jax.stages import pipeline
-  return "" if oc.teacher == "self_tau1" else (oc.teacher_dir or pipeline.teacher_model_dir(config, workdir))
+  return "" if oc.teacher == "self_tau1" else (oc.teacher_dir or chain.teacher_model_dir(config, workdir))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +79,6 @@ class Distillation:
 
 def distillation(config, oc, task: dict, src: str, teacher_dir: str) -> Distillation:
   """The `Distillation` of the student in `src` against `oc.teacher`."""
-  from dgr2_jax.model import checkpoint as model_ckpt
-  from dgr2_jax.train import grpo, opd, rollouts
   mc, params = load_policy(config, src)
   dc = rollout_decode_config(config, task["tids"], mc, oc.temperature)
   bs, mask_id, g = dc.block_size, dc.mask_token_id, int(oc.rollouts_per_prompt)
@@ -245,90 +162,46 @@ def distillation(config, oc, task: dict, src: str, teacher_dir: str) -> Distilla
                       student_config=student_cfg, decode_config=dc)
 
 
-def validator(config, workdir: str, rc, policy_cfg, dc):
-  """`params -> {"valid_recall@1", "valid_valid_rate"}` for an on-policy stage whose section `rc` has
-  valid_every / valid_prompts (opd, rl, teacher_rl): greedy decoding (the rollouts' decode
-  config at temperature 0) of the first `rc.valid_prompts` validation users whose target is
-  listed; an invalid output falls back to the retriever's order, as in evaluation. None when
-  `rc.valid_every` is 0. Several processes: each decodes its share, the counts are summed."""
-  from dgr2_jax import multihost
-  from dgr2_jax.task import answer as answer_lib
-  from dgr2_jax.task import metrics as metrics_lib
-  from dgr2_jax.train import rollouts
-  if not int(rc.get("valid_every", 0)) or not int(rc.get("valid_prompts", 0)):
-    return None
-  vt = task_setup(config, workdir, "valid")
-  pc, pi = jax.process_count(), jax.process_index()
-  n = min(int(rc.valid_prompts), len(vt["prompts"]["prompt_ids"])) // pc * pc
-  prompts = {k: v[:n][pi::pc] for k, v in vt["prompts"].items()}
-  greedy = dataclasses.replace(dc, temperature=0.0)
-
-  def evaluate(params) -> dict:
-    roll = rollouts.sample(policy_cfg, params, prompts["prompt_ids"], prompts["prompt_len"], greedy,
-                           jax.random.PRNGKey(0), 1)
-    hits = valid = 0
-    for ids, fin, cand, r_d in zip(roll["output_ids"], roll["finished"], prompts["candidates"],
-                                   prompts["target_rank_in_candidates"]):
-      parsed = answer_lib.parse_response(vt["tokenizer"].decode(ids, skip_special_tokens=False),
-                                         [vt["sids"][int(i)] for i in cand]) if fin else None
-      ok = parsed is not None and parsed.valid
-      rank = metrics_lib.target_rank(parsed.positions, int(r_d) - 1) if ok else int(r_d)
-      hits += rank == 1
-      valid += ok
-    tot = np.sum(multihost.allgather("valid_curve", [int(hits), int(valid),
-                                                     len(prompts["prompt_ids"])]), 0)
-    return {"valid_recall@1": float(tot[0] / tot[2]), "valid_valid_rate": float(tot[1] / tot[2])}
-
-  return evaluate
-
-
-def write_valid_curve(tmp: str, state: dict, sc) -> None:
-  """`tmp/valid_curve.json`: the validation curve of `train_on_policy`'s state, the best step and
-  which model the stage kept (section `sc`'s keep_best); nothing without a curve."""
-  if state["valid_curve"]:
-    common.write_json_atomic(os.path.join(tmp, "valid_curve.json"),
-                             {"curve": state["valid_curve"], "best_step": state["best_step"],
-                              "kept": "best" if sc.get("keep_best", False) else "last"})
-
-
-def run(config, workdir: str) -> str:
-  from dgr2_jax.model import checkpoint as model_ckpt
-  from dgr2_jax.stages import pipeline
-  from dgr2_jax.train import opd, rollouts
-
-  oc = section(config, STAGE, opd.opd_config)
+def _hash(config, workdir: str, upstream: dict) -> str:
+  oc = section(config, "opd", opd.opd_config)
   if oc.teacher not in opd.TEACHERS:
     raise ValueError(f"config.opd.teacher must be one of {opd.TEACHERS}, got {oc.teacher!r}")
-  src = oc.init_from or pipeline.previous_model_dir(config, workdir, STAGE)
+  src = on_policy.source_dir(config, workdir, "opd", oc)
   teacher_dir = teacher_model_dir(config, oc, workdir)
   if teacher_dir and not os.path.isdir(teacher_dir):
     raise FileNotFoundError(f"config.opd.teacher_dir: {teacher_dir} not found (run the sft / teacher_rl stage)")
-  out = common.stage_dir(workdir, STAGE)
-  traces_hash = (common.read_done(common.stage_dir(workdir, "traces")) or {}).get("config_hash")
-  chash = common.config_hash(config.seed, oc, config.decode, config.task, config.train.mesh,
-                             config.train.optimizer, src, common.model_hash(src), teacher_dir,
-                             common.model_hash(teacher_dir) if teacher_dir else None, traces_hash,
-                             workdir=workdir)
-  if common.is_fresh(out, chash):
-    return out
-  train_dir = sft_stage.prepare_train_dir(out, chash)
-  task = task_setup(config, workdir)
+  return common.config_hash(config.seed, oc, config.decode, config.task, config.train.mesh,
+                            config.train.optimizer, src, common.model_hash(src), teacher_dir,
+                            common.model_hash(teacher_dir) if teacher_dir else None, upstream["traces"],
+                            workdir=workdir)
+
+
+def _build(config, workdir: str, build: contract.Build) -> str:
+  oc = section(config, "opd", opd.opd_config)
+  src = on_policy.source_dir(config, workdir, "opd", oc)
+  teacher_dir = teacher_model_dir(config, oc, workdir)
+  train_dir = build.train_dir()
+  task = on_policy.task_setup(config, workdir)
   d = distillation(config, oc, task, src, teacher_dir)
   n = len(task["prompts"]["prompt_ids"])
   pps, g = int(oc.prompts_per_step), int(oc.rollouts_per_prompt)
   steps = int(oc.steps) or max(1, int(oc.epochs) * n // pps)
-  tconf = on_policy_config(config, rows=pps * g, steps=steps, lr=oc.lr, grad_accum=oc.grad_accum_steps)
+  tconf = on_policy.on_policy_config(config, rows=pps * g, steps=steps, lr=oc.lr, grad_accum=oc.grad_accum_steps)
   state = rollouts.train_on_policy(tconf, train_dir, params=d.params, loss_fn=d.loss_fn, make_batch=d.make_batch,
-                                   prompt_iter=prompt_iterator(task["prompts"], pps, int(config.seed)),
-                                   desc=STAGE, frozen=d.frozen,
-                                   validate=validator(config, workdir, oc, d.student_config, d.decode_config),
-                                   validate_every=int(oc.valid_every), keep_best=bool(oc.keep_best))
+                                   prompt_iter=on_policy.prompt_iterator(task["prompts"], pps, int(config.seed)),
+                                   desc="opd", frozen=d.frozen,
+                                   validation=loop.Validation(on_policy.validator(config, workdir, oc, d.student_config,
+                                                                                  d.decode_config),
+                                                              int(oc.valid_every), bool(oc.keep_best)))
   extra = {"steps": steps, "source": src, "teacher": teacher_dir or "self_tau1", "examples": task["counts"],
            "best_step": state["best_step"]}
-  with common.atomic_dir(out, chash, extra=extra) as tmp:
-    write_valid_curve(tmp, state, oc)
-    model_ckpt.save_model_dir(os.path.join(tmp, "model"), d.model_config, state["params"],
-                              tokenizer_src=task["tok_dir"])
-    if jax.process_index() == 0:
-      os.replace(train_dir, os.path.join(tmp, "train"))
-  return out
+  return on_policy.publish(build, on_policy.Trained(state, d.model_config, oc, extra), task, train_dir)
+
+
+# Reads the traces, and (a chain stage) its starting student and the AR teacher before it.
+STAGE = contract.Stage(name="opd", reads=("traces",), chain=True, hashed=_hash, build=_build)
+
+
+def run(config, workdir: str) -> str:
+  """Distils (or reuses) `workdir/opd`; returns its path."""
+  return contract.run(STAGE, config, workdir)

@@ -10,124 +10,105 @@ The pipeline's `eval` step is the accuracy ladder: the eval stage once per model
 AR decoding (block 1) for the AR models (`ar_sft` and `ar` when `teacher_rl` runs, else `ar`) and
 `config.decode` for the diffusion models (at tau `pipeline.ladder_threshold` and step budget
 `pipeline.ladder_steps_per_block` where they are set; 1.0 and no budget decode one position a
-step), plus (`pipeline.speculative_row`) the final diffusion model drafting for the AR teacher (`speculative`, whose metrics equal `ar`'s exactly), into
-`workdir/eval/<method>/`, summarised in `workdir/results/accuracy.{md,json}` (with the pre-rank
-floor of the same examples and each row's diagnostics from its predictions, task/diagnostics.py:
-override rate and precision, trace-policy agreement, paired bootstrap CIs against the floor and
-the AR teacher `ar`). The `bench` step writes `workdir/results/frontier.*`. Each stage's
-wall-clock in this run goes to `workdir/results/stage_times.json` (`seconds`), beside the
-wall-clock of the run that built each stage as it now stands (`built`: recorded whenever a stage is
-built, by the pipeline or alone with `--config.stage`, so a workdir built in several sittings
-still adds up to its end-to-end cost).
+step), plus (`pipeline.speculative_row`) the final diffusion model drafting for the AR teacher
+(`speculative`, whose metrics equal `ar`'s exactly), into `workdir/eval/<method>/`, summarised in
+`workdir/results/accuracy.{md,json}` (with the pre-rank floor of the same examples and each row's
+diagnostics from its predictions, task/diagnostics.py: override rate and precision, trace-policy
+agreement, paired bootstrap CIs against the floor and the AR teacher `ar`). The `bench` step
+writes `workdir/results/frontier.*`. Each stage's wall-clock in this run goes to
+`workdir/results/stage_times.json` (`seconds`), beside the wall-clock of the run that built each
+stage as it now stands (`built`: recorded whenever a stage is built, by the pipeline or alone with
+`--config.stage`, so a workdir built in several sittings still adds up to its end-to-end cost).
+
+The stages themselves are the registry's (stages/registry.py), each run through the stage
+contract (stages/contract.py); this module sits above them and imports none of them by name but
+the eval stage (the ladder's rows).
+The `pipeline` config section is this module's: its defaults (`pipeline_config`) and checks (`validate`).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import json
 import os
 import time
 
-from dgr2_jax.stages import common
-# The stage order and the model chain live with the workdir's layout; re-exported here.
-from dgr2_jax.stages.common import (AR_STAGES, MODEL_STAGES, ORDER, enabled_stages, model_dir,  # noqa: F401
-                                    previous_model_dir, previous_model_stage, teacher_model_dir,
-                                    teacher_stage)
-from dgr2_jax.chain import final_model_stage  # noqa: F401
+import jax
+import ml_collections
 
-# Stage name -> module with `run(config, workdir)`. Imported lazily by `stage_fn`, so a missing
-# optional stage does not break the others.
-STAGES = {
-    "data": "dgr2_jax.stages.data",
-    "sids": "dgr2_jax.stages.sids",
-    "retriever": "dgr2_jax.stages.retriever",
-    "traces": "dgr2_jax.stages.traces",
-    "sft": "dgr2_jax.stages.sft",
-    "teacher_rl": "dgr2_jax.stages.teacher_rl",
-    "convert": "dgr2_jax.stages.convert",
-    "cft": "dgr2_jax.stages.cft",
-    "opd": "dgr2_jax.stages.opd",
-    "rl": "dgr2_jax.stages.rl",
-    "eval": "dgr2_jax.stages.eval",
-    "bench": "dgr2_jax.stages.bench",
-    "generate": "dgr2_jax.stages.generate",
-    "pipeline": "dgr2_jax.stages.pipeline",
-}
-NO_WORKDIR = ("generate",)
-# Stages that compute on the host alone: with several processes, process 0 runs them.
-HOST_STAGES = ("data", "sids", "retriever", "traces", "convert")  # stages that read/write only explicit paths
+from dgr2_jax import checks
+from dgr2_jax import results
+from dgr2_jax.chain import AR_STAGES, MODEL_STAGES, final_model_stage, model_dir, teacher_model_dir  # noqa: F401
+from dgr2_jax.chain import previous_model_stage, teacher_stage  # noqa: F401
+from dgr2_jax.data import api
+from dgr2_jax.stages import common
+from dgr2_jax.stages import contract
+from dgr2_jax.stages import eval as eval_stage
+from dgr2_jax.stages import registry
+# The stage table, the order and the prerequisites are the registry's (read by main and the tests here).
+from dgr2_jax.stages.registry import NO_WORKDIR, ORDER, STAGES, check_available, enabled_stages  # noqa: F401
+from dgr2_jax.task import copurchase, diagnostics
+from dgr2_jax.task import traces as traces_lib
+from dgr2_jax.train import mesh as mesh_lib
+
 # Ladder method name of each diffusion training stage (prefixed by the earlier ones present).
 _TRAINED = ("cft", "opd", "rl")
 
 
-def check_available(names) -> None:
-  """NotImplementedError listing every stage of `names` whose module is absent (nothing imported),
-  so a pipeline does not stop hours in at a stage this checkout lacks."""
-  missing = [n for n in names if n in STAGES and importlib.util.find_spec(STAGES[n]) is None]
-  if missing:
-    raise NotImplementedError(f"stage(s) {missing} are not available in this checkout (no module "
-                              f"{', '.join(STAGES[n] for n in missing)}); drop them from "
-                              "config.pipeline.stages or add the module")
-
-
 def stage_fn(name: str):
-  """The `run` function of stage `name` (imported now); clear errors for unknown/missing ones."""
-  if name not in STAGES:
-    raise ValueError(f"config.stage {name!r} is not a stage; known: {', '.join(STAGES)}")
-  try:
-    module = importlib.import_module(STAGES[name])
-  except ModuleNotFoundError as e:
-    if e.name and STAGES[name].startswith(e.name):
-      raise NotImplementedError(f"stage {name!r} is not available: module {STAGES[name]} does not "
-                                "exist in this checkout") from None
-    raise
-  if name in HOST_STAGES:  # several processes: process 0 builds, the others wait and read
-    return functools.partial(common.run_host_stage, name, module.run)
-  return module.run
+  """`fn(config, workdir)` running stage `name` through the contract (timed; `pipeline`: this
+  module's `run`; a stage of explicit paths: its module's `run`). Clear errors for unknown or
+  absent stages."""
+  if name == "pipeline":
+    return run
+  decl = registry.stage(name)
+  return functools.partial(contract.execute, decl) if decl.workdir else registry.module(name).run
+
+
+def pipeline_config() -> ml_collections.ConfigDict:
+  """The `pipeline` section: which stages run, and the accuracy ladder's settings."""
+  c = ml_collections.ConfigDict()
+  c.stages = registry.ORDER  # ablations drop entries; the order is fixed
+  c.speculative_row = True    # a `speculative` row in the ladder (equal to the `ar` row's metrics)
+  # tau of the ladder's block-diffusion rows (0 => decode.threshold). The paper's accuracy table
+  # (Q1) is at tau 1.0, "quality-preserving", with its step budget. The speculative row drafts and
+  # the on-policy stages roll out at decode's settings whatever this is.
+  c.ladder_threshold = 0.0
+  # Step budget of the ladder's block-diffusion rows (-1 => decode.steps_per_block; 0 = none). A
+  # budget of S steps per block commits at least block_size/S positions a step whatever tau is, so
+  # tau 1.0 is one position a step only with 0 here (~11x the forward passes of tau 0.9 on real
+  # Beauty; an untrained conversion then decodes mostly left to right: docs/results.md).
+  c.ladder_steps_per_block = -1
+  return c
 
 
 def validate(config, runs: set) -> None:
   """Checks `pipeline.stages`: known stages, in the fixed order, each once."""
   del runs
-  from dgr2_jax import checks
   if "pipeline" not in config:
     return
   stages = tuple(config.pipeline.stages)
   for s in stages:
-    if s not in ORDER:
-      checks.fail("pipeline.stages", f"{s!r} is not a pipeline stage; known: {list(ORDER)}")
-  if list(stages) != sorted(stages, key=ORDER.index) or len(set(stages)) != len(stages):
-    checks.fail("pipeline.stages", f"must be a subsequence of {list(ORDER)}, got {list(stages)}")
-  tau = config.pipeline.get("ladder_threshold", 0.0)
+    if s not in registry.ORDER:
+      checks.fail("pipeline.stages", f"{s!r} is not a pipeline stage; known: {list(registry.ORDER)}")
+  if list(stages) != sorted(stages, key=registry.ORDER.index) or len(set(stages)) != len(stages):
+    checks.fail("pipeline.stages", f"must be a subsequence of {list(registry.ORDER)}, got {list(stages)}")
+  defaults = pipeline_config()  # a field the section leaves out has its default
+  tau = config.pipeline.get("ladder_threshold", defaults.ladder_threshold)
   if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 <= tau <= 1.0:
     checks.fail("pipeline.ladder_threshold", f"must be 0 (decode.threshold) or in (0, 1], got {tau!r}")
-  budget = config.pipeline.get("ladder_steps_per_block", -1)
+  budget = config.pipeline.get("ladder_steps_per_block", defaults.ladder_steps_per_block)
   if not checks.is_int(budget, -1):
     checks.fail("pipeline.ladder_steps_per_block",
                 f"must be an int >= -1 (-1 = decode.steps_per_block, 0 = no budget), got {budget!r}")
 
 
-# What a stage run alone reads from the workdir besides its own section's paths: eval and bench
-# read the traces (their models are named by eval.model_dir / bench.*model_dir or are the chain's
-# built models), and so does a model stage whose `init_from` names its starting model; every other
-# stage reads the enabled stages before it.
-_DATA_STAGES = ("data", "sids", "retriever", "traces")
-
-
 def missing_prerequisites(config, workdir: str, stage: str) -> list[str]:
-  """Enabled stages (in order) that `stage`, asked for alone, needs and `workdir` has not built."""
-  if stage not in ORDER or not workdir:
+  """Enabled stages (in order) that `stage`, asked for alone, reads (its declaration's `reads`, and
+  a chain stage's earlier models unless `<stage>.init_from` names one) and `workdir` has not built."""
+  if stage not in registry.ORDER or not workdir:
     return []
-  on = enabled_stages(config)
-  section = config.get(stage) or {}
-  if stage in ("sids", "retriever"):  # each reads the data stage only
-    needed = ["data"] if "data" in on else []
-  elif stage in ("eval", "bench") or section.get("init_from"):  # the model is named, not the chain's
-    needed = [s for s in _DATA_STAGES if s in on]
-  else:
-    needed = [s for s in on if ORDER.index(s) < ORDER.index(stage)]
+  needed = registry.prerequisites(config, stage)
   return [s for s in needed if common.read_done(common.stage_dir(workdir, s)) is None]
 
 
@@ -178,9 +159,8 @@ def method_config(config, workdir: str, method: str, stage: str):
 
 
 def run_ladder(config, workdir: str) -> dict:
-  """Evaluates every model of the chain that exists and writes the accuracy tables."""
-  from dgr2_jax import results
-  from dgr2_jax.stages import eval as eval_stage
+  """Evaluates every model of the chain that exists and writes the accuracy tables: the pre-rank
+  floor, the rules that see the prompts' evidence (`rule_picks`), then the models."""
   rows, hashes, floor, preds = [], [], None, {}
   for method, stage in ladder_methods(config):
     if common.read_done(common.stage_dir(workdir, stage)) is None:
@@ -195,7 +175,13 @@ def run_ladder(config, workdir: str) -> dict:
     rows.append({"method": method, "model_dir": model_dir(workdir, stage),
                  "decode": m.get("decode"), **{k: v for k, v in m.items()
                                                if k not in ("decode", "prerank_floor", "examples")}})
-  diag = ladder_diagnostics(config, workdir, preds)
+  rules = rule_picks(config, workdir, _examples(preds), config.eval.split)
+  if preds:   # the rules on the evaluated prompts (the rows share their users): the teacher's
+    ref = preds.get("ar") or next(iter(preds.values()))
+    for method, picks in rules.items():
+      preds[method] = diagnostics.rule_predictions(ref, picks)
+    rows = [diagnostics.rule_row(m, preds[m]) for m in rules] + rows
+  diag = diagnostics.ladder_diagnostics(preds, teacher="ar", policy=rules.get("rule_policy"))
   rows = [{**r, **diag[r["method"]]} for r in rows]
   if floor is not None:
     rows.insert(0, floor)
@@ -204,20 +190,37 @@ def run_ladder(config, workdir: str) -> dict:
   return obj
 
 
-def ladder_diagnostics(config, workdir: str, preds: dict) -> dict:
-  """{method: task/diagnostics.py's columns} of the ladder's predictions ({method: records}): the
-  AR teacher is row 'ar'; policy agreement only when the traces stage chose a trace policy
-  (`workdir/traces/policy.json`)."""
-  from dgr2_jax.task import diagnostics
+def ladder_diagnostics(config, workdir: str, preds: dict, split: str) -> dict:
+  """{method: task/diagnostics.py's columns} of ladder predictions ({method: records} of `split`):
+  the AR teacher is row 'ar'; policy agreement when the traces stage chose a trace policy."""
+  rules = rule_picks(config, workdir, _examples(preds), split)
+  return diagnostics.ladder_diagnostics(preds, teacher="ar", policy=rules.get("rule_policy"))
+
+
+def _examples(preds: dict) -> list[dict]:
+  """The users of the ladder's rows, once each (the rows share them)."""
+  return list({p["example_id"]: p for ps in preds.values() for p in ps}.values())
+
+
+def rule_picks(config, workdir: str, examples: list[dict], split: str) -> dict:
+  """{rule: {example_id: its first pick}} of the rules that read the evidence the prompts spell
+  out, on `examples` (prediction records: history and candidates as item ids):
+  - `rule_bought_next` (prompts with next-purchase counts, `task.mark_copurchase`): the candidate
+    most often bought right after the last purchase, counted as the traces stage counts them (the
+    split's pre-target interactions, task/copurchase.py), else the retriever's #1;
+  - `rule_policy` (when the traces stage chose a trace policy, `workdir/traces/policy.json`): that
+    policy's pick, next-purchase tiers included. Its picks are also the `policy_agreement` column's.
+  """
+  out, counts = {}, None
+  if config.task.get("mark_copurchase", False):
+    tab = copurchase.table(api.load_sequences(workdir), traces_lib.SPLIT_CUT[split])
+    counts = {e["example_id"]: copurchase.counts(tab, e["history"], e["candidates"]) for e in examples}
+    out["rule_bought_next"] = {i: diagnostics.most_bought_next(c) for i, c in counts.items()}
   path = os.path.join(workdir, "traces", "policy.json")
-  picks = None
   if os.path.exists(path):
-    from dgr2_jax.data import api
-    items = api.load_items(workdir)
-    every = {p["example_id"]: p for ps in preds.values() for p in ps}   # the rows share users
-    picks = diagnostics.policy_picks(list(every.values()), items, _read_json(path)["policy"],
-                                     int(config.task.max_history))
-  return diagnostics.ladder_diagnostics(preds, teacher="ar", policy=picks)
+    out["rule_policy"] = diagnostics.policy_picks(examples, api.load_items(workdir), _read_json(path)["policy"],
+                                                  int(config.task.max_history), bought_next=counts)
+  return out
 
 
 def _read_json(path: str) -> dict:
@@ -226,7 +229,6 @@ def _read_json(path: str) -> dict:
 
 
 def _read_jsonl(path: str) -> list:
-  from dgr2_jax.task import traces as traces_lib  # its JSONL reader names file:line on a bad line
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path} missing: the eval stage's predictions (rerun the eval stage)")
   return traces_lib.read_jsonl(path)
@@ -236,8 +238,6 @@ def check_batch_sizes(config) -> None:
   """Before any stage: every enabled training stage's global batch splits over the processes (each
   feeds its own rows) and, for the supervised stages, over the mesh's data x fsdp devices.
   ValueError naming the field."""
-  import jax
-  from dgr2_jax.train import mesh as mesh_lib
   on, tc = enabled_stages(config), config.train
   devices, processes = jax.device_count(), jax.process_count()
   for stage, field, size in (("sft", "train.batch_size", tc.batch_size),
@@ -252,60 +252,6 @@ def check_batch_sizes(config) -> None:
                        f"process count ({processes})")
 
 
-BUILT_TIMES = os.path.join("results", "stage_built_times.json")
-
-
-def _read_built(path: str) -> dict:
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (OSError, ValueError):  # none yet, or unreadable: times are a record, not an input
-    return {}
-
-
-def _done_stamp(workdir: str, stage: str):
-  """When the stage was last built: its DONE.json's mtime (the ladder: its newest row's)."""
-  d = common.stage_dir(workdir, stage)
-  files = [os.path.join(d, "DONE.json")]
-  if stage == "eval" and os.path.isdir(d):
-    files += [os.path.join(d, m, "DONE.json") for m in sorted(os.listdir(d))]
-  stamps = [os.path.getmtime(f) for f in files if os.path.exists(f)]
-  return max(stamps) if stamps else None
-
-
-def run_timed(stage: str, fn, config, workdir: str):
-  """`fn(config, workdir)`; when it (re)built `stage` (its DONE.json changed; the ladder: any
-  row's), the wall-clock goes to `workdir/results/stage_built_times.json` ({stage: {seconds,
-  config_hash}})."""
-  from dgr2_jax import multihost
-  before = _done_stamp(workdir, stage)
-  t0 = time.perf_counter()
-  out = fn(config, workdir)
-  seconds = round(time.perf_counter() - t0, 1)
-  after = _done_stamp(workdir, stage)
-  if workdir and multihost.is_writer() and after != before:
-    path = os.path.join(workdir, BUILT_TIMES)
-    built = _read_built(path)
-    done = common.read_done(common.stage_dir(workdir, stage)) or {}
-    built[stage] = {"seconds": seconds, "config_hash": done.get("config_hash")}
-    common.write_json_atomic(path, built)
-  return out
-
-
-def built_times(workdir: str, stages) -> dict:
-  """{stage: seconds of the run that built it as it now stands} for the stages recorded with
-  their current config hash (the ladder, which has none of its own: its last build)."""
-  path = os.path.join(workdir, BUILT_TIMES)
-  built = _read_built(path)
-  out = {}
-  for s in stages:
-    b = built.get(s)
-    done = common.read_done(common.stage_dir(workdir, s)) or {}
-    if b and (s == "eval" or b.get("config_hash") == done.get("config_hash")):
-      out[s] = b["seconds"]
-  return out
-
-
 def run(config, workdir: str) -> dict:
   """Runs the enabled stages in order; returns {stage: its return value}."""
   out, times = {}, {}
@@ -314,12 +260,12 @@ def run(config, workdir: str) -> dict:
   for i, s in enumerate(stages):
     print(f"pipeline: [{i + 1}/{len(stages)}] {s}", flush=True)
     t0 = time.perf_counter()
-    out[s] = run_timed(s, run_ladder if s == "eval" else stage_fn(s), config, workdir)
+    out[s] = contract.timed(s, run_ladder, config, workdir) if s == "eval" else stage_fn(s)(config, workdir)
     times[s] = round(time.perf_counter() - t0, 1)
     print(f"pipeline: {s} took {times[s]:.0f} s", flush=True)
     # This run's wall-clock per stage (a fresh stage that was skipped shows ~0 s), and the
     # wall-clock of the runs that built the stages as they stand.
-    built = built_times(workdir, stages)
+    built = contract.built_times(workdir, stages)
     common.write_json_atomic(os.path.join(workdir, "results", "stage_times.json"),
                              {"seconds": times, "total": round(sum(times.values()), 1),
                               "built": built, "built_total": round(sum(built.values()), 1)})

@@ -19,7 +19,6 @@ import json
 import os
 import time
 
-from absl import logging
 import flax.serialization
 import numpy as np
 
@@ -28,11 +27,13 @@ from dgr2_jax.data import api
 from dgr2_jax.data import sasrec
 from dgr2_jax.fileio import InputError
 from dgr2_jax.stages import common
+from dgr2_jax.stages import contract
 
 
-def _hash(config, workdir: str) -> str:
-  parts = [config.retriever.to_dict(), {"seed": config.seed},
-           common.read_done(os.path.join(workdir, "data"))["config_hash"]]
+def _hash(config, workdir: str, upstream: dict) -> str:
+  if upstream["data"] is None:
+    raise FileNotFoundError(f"{os.path.join(workdir, 'data')} is not built: run the data stage first")
+  parts = [config.retriever.to_dict(), {"seed": config.seed}, upstream["data"]]
   f = config.retriever.candidates_file
   if config.retriever.source == "file" and f and os.path.exists(f):
     parts.append(fileio.file_digest(f))
@@ -79,16 +80,9 @@ def read_candidates_file(path: str, sequences: list[list[int]], n_items: int, k:
   return out
 
 
-def run(config, workdir: str) -> dict:
-  """Builds (or reuses) `workdir/retriever`; returns the metrics dict."""
-  if common.read_done(os.path.join(workdir, "data")) is None:
-    raise FileNotFoundError(f"{os.path.join(workdir, 'data')} is not built: run the data stage first")
+def _build(config, workdir: str, build: contract.Build) -> dict:
+  """Builds `workdir/retriever`; returns the metrics dict."""
   cfg = config.retriever
-  out = common.stage_dir(workdir, "retriever")
-  chash = _hash(config, workdir)
-  if common.is_fresh(out, chash):
-    logging.info("retriever: fresh (%s)", chash)
-    return api.load_retriever_metrics(workdir)
   if cfg.source not in ("sasrec", "file"):
     raise ValueError(f"retriever.source must be 'sasrec' or 'file', got {cfg.source!r}")
   seqs = api.load_sequences(workdir)
@@ -96,7 +90,7 @@ def run(config, workdir: str) -> dict:
   k = int(cfg.num_candidates)
   t0 = time.time()
   log = {}
-  with common.atomic_dir(out, chash, {"stage": "retriever"}) as tmp:
+  with build.publish({"stage": "retriever"}) as tmp:
     train_seqs = [s[:-2] for s in seqs]
     if cfg.source == "file":
       cands = read_candidates_file(cfg.candidates_file, seqs, n_items, k)
@@ -142,3 +136,13 @@ def run(config, workdir: str) -> dict:
           f"N@5 {m['ndcg@5']:.4f} N@10 {m['ndcg@10']:.4f}  users with target in top-10: "
           f"{m['n_hits@10']} / {m['n_users']}", flush=True)
   return metrics
+
+
+STAGE = contract.Stage(name="retriever", reads=("data",), hashed=_hash, build=_build,
+                       fresh=lambda config, workdir, out: api.load_retriever_metrics(workdir),
+                       host_only=True)
+
+
+def run(config, workdir: str) -> dict:
+  """Builds (or reuses) `workdir/retriever`; returns the metrics dict."""
+  return contract.run(STAGE, config, workdir)

@@ -13,58 +13,75 @@ batch, so the PPO ratio is 1 at the start of every step unless train.grad_accum_
 the clip matters once updates reuse rollouts). With `rl.kl_coef > 0` a frozen copy of the starting
 params supplies `ref_logp`. Metrics: loss, policy_loss, clip_fraction, ratio_mean, kl_ref,
 reward mean/std, valid_rate, overlong_rate, groups_dropped, mean_nfe, rollout/update time.
-`train_grpo` is the trainer both this stage and `teacher_rl` (the AR teacher's RL) run.
+`grpo_stage` declares both this stage and `teacher_rl` (the AR teacher's RL); `train_grpo` trains.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dgr2_jax.stages import common
-from dgr2_jax.stages import opd as opd_stage
-from dgr2_jax.stages import sft as sft_stage
+from dgr2_jax.stages import contract
+from dgr2_jax.stages import on_policy
+from dgr2_jax.train import grpo, loop, replay, rollouts
+from dgr2_jax.train.config import section
 
-STAGE = "rl"
+
+def _settings(config, workdir: str, stage: str, overrides: dict | None):
+  """-> (config with the rollouts' decode overrides, section `stage`, the starting policy's dir)."""
+  rc = section(config, stage, grpo.rl_config)
+  src = on_policy.source_dir(config, workdir, stage, rc)
+  if int(rc.group_size) < 2:
+    raise ValueError(f"config.{stage}.group_size must be >= 2 (group-normalised advantages), got {rc.group_size}")
+  if overrides:
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+      for k, v in overrides.items():
+        config.decode[k] = v
+  return config, rc, src
+
+
+def _hash(config, workdir: str, upstream: dict, stage: str, overrides: dict | None) -> str:
+  config, rc, src = _settings(config, workdir, stage, overrides)
+  return common.config_hash(config.seed, rc, config.decode, config.task, config.train.mesh,
+                            config.train.optimizer, src, common.model_hash(src), upstream["traces"],
+                            workdir=workdir)
+
+
+def _build(config, workdir: str, build: contract.Build, stage: str, overrides: dict | None) -> str:
+  config, rc, src = _settings(config, workdir, stage, overrides)
+  return train_grpo(config, workdir, build, rc, src)
+
+
+def grpo_stage(name: str, decode_overrides: dict | None = None) -> contract.Stage:
+  """The declaration of a GRPO stage `name` (settings `config.<name>`, a `grpo.rl_config` section):
+  it reads the traces and (a chain stage) its starting policy. `decode_overrides` replace
+  `config.decode` fields for the rollouts (the AR teacher's RL: block_size 1, threshold 1)."""
+  kw = dict(stage=name, overrides=decode_overrides)
+  return contract.Stage(name=name, reads=("traces",), chain=True, hashed=functools.partial(_hash, **kw),
+                        build=functools.partial(_build, **kw))
+
+
+STAGE = grpo_stage("rl")
 
 
 def run(config, workdir: str) -> str:
-  from dgr2_jax.stages import pipeline
-  from dgr2_jax.train import grpo
-  rc = opd_stage.section(config, STAGE, grpo.rl_config)
-  src = rc.init_from or pipeline.previous_model_dir(config, workdir, STAGE)
-  return train_grpo(config, workdir, STAGE, rc, src)
+  """Trains (or reuses) `workdir/rl`; returns its path."""
+  return contract.run(STAGE, config, workdir)
 
 
-def train_grpo(config, workdir: str, stage: str, rc, src: str, decode_overrides: dict | None = None) -> str:
+def train_grpo(config, workdir: str, build: contract.Build, rc, src: str) -> str:
   """Trajectory-replay GRPO/DAPO of the policy in `src` with the settings `rc` (a `grpo.rl_config`
-  section) -> `workdir/<stage>/`. `decode_overrides` replace `config.decode` fields for the
-  rollouts (the AR teacher's RL: block_size 1, threshold 1)."""
-  from dgr2_jax.model import checkpoint as model_ckpt
-  from dgr2_jax.train import grpo, replay, rollouts
-
-  if int(rc.group_size) < 2:
-    raise ValueError(f"config.{stage}.group_size must be >= 2 (group-normalised advantages), got {rc.group_size}")
-  if decode_overrides:
-    config = config.copy_and_resolve_references()
-    with config.unlocked():
-      for k, v in decode_overrides.items():
-        config.decode[k] = v
-  out = common.stage_dir(workdir, stage)
-  traces_hash = (common.read_done(common.stage_dir(workdir, "traces")) or {}).get("config_hash")
-  chash = common.config_hash(config.seed, rc, config.decode, config.task, config.train.mesh,
-                             config.train.optimizer, src, common.model_hash(src), traces_hash,
-                             workdir=workdir)
-  if common.is_fresh(out, chash):
-    return out
-  train_dir = sft_stage.prepare_train_dir(out, chash)
-  task = opd_stage.task_setup(config, workdir)
-  mc, params = opd_stage.load_policy(config, src)
-  dc = opd_stage.rollout_decode_config(config, task["tids"], mc, rc.temperature)
+  section) -> `workdir/<stage>/` (`build`'s); `config.decode` drives the rollouts."""
+  stage = build.stage
+  train_dir = build.train_dir()
+  task = on_policy.task_setup(config, workdir)
+  mc, params = on_policy.load_policy(config, src)
+  dc = on_policy.rollout_decode_config(config, task["tids"], mc, rc.temperature)
   bs, mask_id, g = dc.block_size, dc.mask_token_id, int(rc.group_size)
   policy_cfg = mc.as_block_diffusion(bs, mask_id)
   kl_coef = float(rc.kl_coef)
@@ -78,7 +95,7 @@ def train_grpo(config, workdir: str, stage: str, rc, src: str, decode_overrides:
     roll = rollouts.sample(policy_cfg, p, prompts["prompt_ids"], prompts["prompt_len"], dc, key, g,
                            rows_per_call=per_call)
     seg = rollouts.replay_inputs(roll, bs, mask_id, max_segments_per_block=int(rc.replay_max_segments))
-    scored = opd_stage.score_rollouts(roll, prompts, g, task, float(rc.alpha))
+    scored = on_policy.score_rollouts(roll, prompts, g, task, float(rc.alpha))
     adv, keep = grpo.group_advantages(scored["rewards"], g)
     batch = dict(prompt=roll["prompt_ids"], prompt_len=roll["prompt_len"], old_logp=roll["logprob"],
                  advantages=adv, loss_mask=roll["loss_mask"] & keep[:, None],
@@ -89,24 +106,20 @@ def train_grpo(config, workdir: str, stage: str, rc, src: str, decode_overrides:
                                                             batch["prompt_len"][i:i + per],
                                                             {n: seg[n][i:i + per] for n in rollouts.SEGMENT_KEYS}))
                                           for i in range(0, len(batch["prompt"]), per)])
-    m = opd_stage.rollout_metrics(roll, scored, seg)
+    m = on_policy.rollout_metrics(roll, scored, seg)
     m["groups_dropped"] = float(1.0 - keep.reshape(-1, g)[:, 0].mean())
     return batch, m
 
   pps = int(rc.prompts_per_step)
   steps = int(rc.steps)
-  tconf = opd_stage.on_policy_config(config, rows=pps * g, steps=steps, lr=rc.lr, grad_accum=rc.grad_accum_steps)
-  loss_fn = functools.partial(grpo.grpo_loss, policy_cfg, block_size=bs, clip_low=float(rc.clip_eps),
-                              clip_high=float(rc.clip_eps_high), kl_coef=kl_coef, **dist)
+  tconf = on_policy.on_policy_config(config, rows=pps * g, steps=steps, lr=rc.lr, grad_accum=rc.grad_accum_steps)
+  loss_fn = functools.partial(grpo.grpo_loss, policy_cfg, block_size=bs, objective=grpo.Objective(
+      clip_low=float(rc.clip_eps), clip_high=float(rc.clip_eps_high), kl_coef=kl_coef), **dist)
   state = rollouts.train_on_policy(tconf, train_dir, params=params, loss_fn=loss_fn, make_batch=make_batch,
-                                   prompt_iter=opd_stage.prompt_iterator(task["prompts"], pps, int(config.seed)),
-                                   desc=stage, validate=opd_stage.validator(config, workdir, rc, policy_cfg, dc),
-                                   validate_every=int(rc.get("valid_every", 0)),
-                                   keep_best=bool(rc.get("keep_best", False)))
+                                   prompt_iter=on_policy.prompt_iterator(task["prompts"], pps, int(config.seed)),
+                                   desc=stage,
+                                   validation=loop.Validation(on_policy.validator(config, workdir, rc, policy_cfg, dc),
+                                                              int(rc.get("valid_every", 0)),
+                                                              bool(rc.get("keep_best", False))))
   extra = {"steps": steps, "source": src, "examples": task["counts"], "best_step": state["best_step"]}
-  with common.atomic_dir(out, chash, extra=extra) as tmp:
-    opd_stage.write_valid_curve(tmp, state, rc)
-    model_ckpt.save_model_dir(os.path.join(tmp, "model"), mc, state["params"], tokenizer_src=task["tok_dir"])
-    if jax.process_index() == 0:
-      os.replace(train_dir, os.path.join(tmp, "train"))
-  return out
+  return on_policy.publish(build, on_policy.Trained(state, mc, rc, extra), task, train_dir)

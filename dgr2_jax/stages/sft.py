@@ -16,23 +16,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 
 import jax
 
-from dgr2_jax import multihost
+from dgr2_jax.model import checkpoint as model_ckpt
+from dgr2_jax.model import qwen3
+from dgr2_jax.model.config import Qwen3Config
 from dgr2_jax.stages import common
-
-STAGE = "sft"
+from dgr2_jax.stages import contract
+from dgr2_jax.stages import traces as traces_stage
+from dgr2_jax.task import pipeline
+from dgr2_jax.task import tokenizer as tok_lib
+from dgr2_jax.train import loop, losses
 
 
 def model_from_config(model_cfg, vocab_size: int | None = None, pad_id=None, eos_id=None, shardings=None):
   """-> (Qwen3Config, params or `fn(rng) -> params`) from `config.model`; `shardings`: see
   `checkpoint.load_model_dir` (several processes: `loop.model_shardings(config)`)."""
-  from dgr2_jax.model import qwen3
-  from dgr2_jax.model.config import Qwen3Config
   if model_cfg.get("init_from", ""):
-    from dgr2_jax.model import checkpoint as model_ckpt
     mc, params = model_ckpt.load_model_dir(model_cfg.init_from, shardings=shardings)
     mc = mc.with_runtime(model_cfg)
     return mc, qwen3.to_layout(mc, params)
@@ -48,39 +49,14 @@ def model_from_config(model_cfg, vocab_size: int | None = None, pad_id=None, eos
   return mc, (lambda rng: qwen3.init_params(mc, rng))
 
 
-def prepare_train_dir(out: str, chash: str) -> str:
-  """-> `out/train`, the live (resumable) training dir of a training stage with config hash `chash`.
-
-  A finished stage of another config, or a partial run of another config, is wiped first; a partial
-  run of this config is kept so `loop.train` resumes it.
-  """
-  train_dir = os.path.join(out, "train")
-  stamp = os.path.join(train_dir, "config_hash")
-  if common.is_writer():  # several processes: process 0 decides and prepares, the others wait
-    if os.path.exists(out) and (common.read_done(out) is not None
-                                or not os.path.exists(stamp) or open(stamp).read().strip() != chash):
-      shutil.rmtree(out)
-    os.makedirs(train_dir, exist_ok=True)
-    with open(stamp, "w") as f:
-      f.write(chash)
-  multihost.barrier("prepare_train_dir")
-  return train_dir
+def _hash(config, workdir: str, upstream: dict) -> str:
+  return common.config_hash(config.seed, config.model, config.train, config.task, [upstream["traces"]],
+                            workdir=workdir)
 
 
-def run(config, workdir: str) -> str:
-  from dgr2_jax.stages import traces as traces_stage  # lazy: task side may change independently
-  from dgr2_jax.task import pipeline
-  from dgr2_jax.task import tokenizer as tok_lib
-  from dgr2_jax.train import loop, losses
-
+def _build(config, workdir: str, build: contract.Build) -> str:
   config = config.copy_and_resolve_references()  # train.total_steps may be derived below
-  out = common.stage_dir(workdir, STAGE)
-  chash = common.config_hash(config.seed, config.model, config.train, config.task,
-                             [(common.read_done(common.stage_dir(workdir, "traces")) or {}).get("config_hash")],
-                             workdir=workdir)
-  if common.is_fresh(out, chash):
-    return out
-  train_dir = prepare_train_dir(out, chash)
+  train_dir = build.train_dir()
 
   tok_dir = traces_stage.tokenizer_dir(config, workdir)
   tokenizer = tok_lib.load_tokenizer(tok_dir)
@@ -106,9 +82,16 @@ def run(config, workdir: str) -> str:
 
   state = loop.train(config, train_dir, params=params, loss_fn=loss_fn, batch_iter=batch_iter, desc="sft")
 
-  from dgr2_jax.model import checkpoint as model_ckpt
-  with common.atomic_dir(out, chash, extra={"steps": int(tc.total_steps), "examples": counts}) as tmp:
+  with build.publish({"steps": int(tc.total_steps), "examples": counts}) as tmp:
     model_ckpt.save_model_dir(os.path.join(tmp, "model"), mc, state["params"], tokenizer_src=tok_dir)
     if jax.process_index() == 0:
       os.replace(train_dir, os.path.join(tmp, "train"))  # keep the history with the result
-  return out
+  return build.out
+
+
+STAGE = contract.Stage(name="sft", reads=("traces",), hashed=_hash, build=_build)
+
+
+def run(config, workdir: str) -> str:
+  """Trains (or reuses) `workdir/sft`; returns its path."""
+  return contract.run(STAGE, config, workdir)

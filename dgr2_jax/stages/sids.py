@@ -12,39 +12,38 @@ import os
 import time
 
 import numpy as np
-from absl import logging
 
 from dgr2_jax import fileio
 from dgr2_jax.data import api
 from dgr2_jax.data import sids
 from dgr2_jax.stages import common
+from dgr2_jax.stages import contract
 
 
-def _hash(config, workdir: str) -> str:
-  parts = [config.sids.to_dict(), {"seed": config.seed},
-           common.read_done(os.path.join(workdir, "data"))["config_hash"]]
+def _hash(config, workdir: str, upstream: dict) -> str:
+  if upstream["data"] is None:
+    raise FileNotFoundError(f"{os.path.join(workdir, 'data')} is not built: run the data stage first")
+  parts = [config.sids.to_dict(), {"seed": config.seed}, upstream["data"]]
   if config.sids.encoder == "npy" and config.sids.embeddings_npy and os.path.exists(
       config.sids.embeddings_npy):
     parts.append(fileio.file_digest(config.sids.embeddings_npy))
   return common.config_hash(*parts, workdir=workdir)
 
 
-def run(config, workdir: str) -> dict:
-  """Builds (or reuses) `workdir/sids`; returns its stats dict."""
-  if common.read_done(os.path.join(workdir, "data")) is None:
-    raise FileNotFoundError(f"{os.path.join(workdir, 'data')} is not built: run the data stage first")
-  out = common.stage_dir(workdir, "sids")
-  chash = _hash(config, workdir)
-  if common.is_fresh(out, chash):
-    logging.info("sids: fresh (%s)", chash)
-    with open(os.path.join(out, "stats.json")) as f:
-      return json.load(f)
+def _fresh(config, workdir: str, out: str) -> dict:
+  del config, workdir
+  with open(os.path.join(out, "stats.json")) as f:
+    return json.load(f)
+
+
+def _build(config, workdir: str, build: contract.Build) -> dict:
+  """Builds `workdir/sids`; returns its stats dict."""
   cfg = config.sids
   items = api.load_items(workdir)
   n_combos = cfg.codebook_size ** cfg.num_levels
   if cfg.num_levels + 1 > len(sids.LEVEL_NAMES):
     raise ValueError(f"sids.num_levels must be <= {len(sids.LEVEL_NAMES) - 1}")
-  with common.atomic_dir(out, chash, {"stage": "sids"}) as tmp:
+  with build.publish({"stage": "sids"}) as tmp:
     t0 = time.time()
     emb = sids.embed_items(cfg, items, int(config.seed))
     t1 = time.time()
@@ -69,3 +68,12 @@ def run(config, workdir: str) -> dict:
         f"{st['collision_rate']:.2%}, unique with 4th token {st['unique_rate']:.0%}  "
         f"(embed {st['embed_seconds']:.1f}s, rqvae {st['rqvae_seconds']:.1f}s)", flush=True)
   return st
+
+
+STAGE = contract.Stage(name="sids", reads=("data",), hashed=_hash, build=_build, fresh=_fresh,
+                       host_only=True)
+
+
+def run(config, workdir: str) -> dict:
+  """Builds (or reuses) `workdir/sids`; returns its stats dict."""
+  return contract.run(STAGE, config, workdir)

@@ -25,7 +25,9 @@ import os
 
 import numpy as np
 
+from dgr2_jax.data import api
 from dgr2_jax.stages import common
+from dgr2_jax.stages import contract
 from dgr2_jax.task import metrics as metrics_lib
 from dgr2_jax.task import pipeline as pipeline_lib
 from dgr2_jax.task import policy as policy_lib
@@ -40,13 +42,11 @@ tokenizer_dir = tok_lib.tokenizer_dir   # the tokenizer in use (the server reads
 
 
 def load_items_sids(workdir: str):
-  from dgr2_jax.data import api
   return api.load_items(workdir), api.load_sids(workdir)
 
 
 def load_task_data(workdir: str) -> dict:
   """Everything the task needs from the data API (tests replace this function)."""
-  from dgr2_jax.data import api
   return dict(items=api.load_items(workdir), sids=api.load_sids(workdir),
               sid_tokens=api.load_sid_tokens(workdir), sequences=api.load_sequences(workdir),
               candidates={s: api.load_candidates(workdir, s) for s in ("train", "valid", "test")})
@@ -68,9 +68,9 @@ def load_split_arrays(config, workdir: str, split: str = "train", tokenizer=None
                                    desc=f"tokenize {split}")
 
 
-def upstream_hashes(workdir: str) -> list:
-  return [(common.read_done(common.stage_dir(workdir, s)) or {}).get("config_hash")
-          for s in UPSTREAM]
+def upstream_hashes(upstream: dict) -> list:
+  """The hashes of the stages the traces are built from, as they enter a hash ({stage: hash})."""
+  return [upstream[s] for s in UPSTREAM]
 
 
 def _summary(xs) -> dict:
@@ -127,15 +127,15 @@ def fit_policy(d: dict, tc) -> dict:
           "grid_train": grid, "valid": valid}
 
 
-def run(config, workdir: str) -> str:
-  out = common.stage_dir(workdir, "traces")
+def _hash(config, workdir: str, upstream: dict) -> str:
+  return common.config_hash(config.task, config.get("seed", 0), upstream_hashes(upstream), workdir=workdir)
+
+
+def _build(config, workdir: str, build: contract.Build) -> str:
   tc = config.task
-  chash = common.config_hash(tc, config.get("seed", 0), upstream_hashes(workdir), workdir=workdir)
-  if common.is_fresh(out, chash):
-    return out
   d = load_task_data(workdir)
   items, sids = d["items"], d["sids"]
-  with common.atomic_dir(out, chash) as tmp:
+  with build.publish() as tmp:
     if tc.tokenizer:
       tok_path = tc.tokenizer
     else:
@@ -205,4 +205,12 @@ def run(config, workdir: str) -> str:
       traces_lib.write_jsonl(os.path.join(tmp, f"{split}.jsonl"), ts)
       stats["splits"][split].update(traces=len(ts), **trace_stats(ts, tokenizer, items, sids, tc))
     common.write_json_atomic(os.path.join(tmp, "stats.json"), stats)
-  return out
+  return build.out
+
+
+STAGE = contract.Stage(name="traces", reads=UPSTREAM, hashed=_hash, build=_build, host_only=True)
+
+
+def run(config, workdir: str) -> str:
+  """Builds (or reuses) `workdir/traces`; returns its path."""
+  return contract.run(STAGE, config, workdir)

@@ -1,4 +1,4 @@
-"""Defaults of the `task` and `eval` config sections."""
+"""The `task` and `eval` config sections: their defaults and their checks (`validate`, `validate_eval`)."""
 
 from __future__ import annotations
 

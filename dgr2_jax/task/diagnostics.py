@@ -22,6 +22,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from dgr2_jax.task import copurchase
 from dgr2_jax.task import policy as policy_lib
 
 N_BOOT = 2000
@@ -68,16 +69,48 @@ def paired_bootstrap_ci(a, b, n_boot: int = N_BOOT, seed: int = SEED,
   return float(lo), float(hi)
 
 
-def policy_picks(preds: Sequence[dict], items: Sequence[dict], policy: dict,
-                 max_history: int) -> dict:
+def policy_picks(preds: Sequence[dict], items: Sequence[dict], policy: dict, max_history: int,
+                 bought_next: Mapping | None = None) -> dict:
   """{example_id: the trace policy's first pick} from each prediction's history and candidates
-  (item ids), the history cut to the `max_history` most recent items as the prompt shows it."""
+  (item ids), the history cut to the `max_history` most recent items as the prompt shows it, and
+  `bought_next` ({example_id: next-purchase count per candidate}, task/copurchase.py) when the
+  prompts show them. A policy with next-purchase tiers needs them: without, its picks would be a
+  brand-only policy's."""
+  needs_counts = any(t in copurchase.TIERS for t in policy["tiers"])
+  if needs_counts and bought_next is None:
+    raise ValueError(f"trace policy {policy_lib.name(policy)!r} ranks by next-purchase counts: "
+                     "policy_picks needs bought_next")
   out = {}
   for p in preds:
     h = p["history"][-max_history:] if max_history > 0 else p["history"]
+    nxt = bought_next[p["example_id"]] if needs_counts else None
     out[p["example_id"]] = policy_lib.choose([items[i] for i in h],
-                                             [items[i] for i in p["candidates"]], policy)
+                                             [items[i] for i in p["candidates"]], policy, nxt)
   return out
+
+
+def most_bought_next(counts: Sequence[int]) -> int:
+  """0-based position of the candidate most often bought right after the last purchase (the
+  earlier one on a tie), the retriever's #1 when none was."""
+  return int(np.argmax(counts)) if len(counts) and max(counts) > 0 else 0
+
+
+def rule_predictions(preds: Sequence[dict], picks: Mapping) -> list[dict]:
+  """Prediction records of a rule ({example_id: first pick}) on the examples of `preds` (one
+  model's predictions): its pick first, the retriever's order after it, never a fallback, so the
+  rule sits in the ladder with the models' columns."""
+  out = []
+  for p in preds:
+    cands, k = list(p["candidates"]), int(picks[p["example_id"]])
+    out.append({"example_id": p["example_id"], "candidates": cands, "target_pos": int(p["target_pos"]),
+                "fallback": False, "ranking_items": [cands[k]] + cands[:k] + cands[k + 1:]})
+  return out
+
+
+def rule_row(method: str, preds: Sequence[dict]) -> dict:
+  """The ladder row of a rule's `rule_predictions`: Recall@1 and n (diagnostics join it later)."""
+  hits = [float(first_pick(p) == p["target_pos"]) for p in preds]
+  return {"method": method, "recall@1": float(np.mean(hits)) if hits else None, "n": len(hits)}
 
 
 def _by_id(method: str, preds: Sequence[dict]) -> dict:

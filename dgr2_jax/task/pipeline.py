@@ -55,12 +55,12 @@ def encode_prompt(tokenizer, ex: dict, items, sids, task_cfg) -> tuple[list[int]
   """(prompt ids, history items dropped beyond the max_history cap); ValueError if too long."""
   n_hist = len(ex["history"])
   cap = min(n_hist, task_cfg.max_history) if task_cfg.max_history > 0 else n_hist
+  style = prompts_lib.PromptStyle(variant=task_cfg.prompt_variant, short_words=task_cfg.short_title_words,
+                                  mark_relations=bool(task_cfg.get("mark_relations", False)),
+                                  enable_thinking=task_cfg.enable_thinking)
   ids, dropped = prompts_lib.render_prompt_ids(
-      tokenizer, ex["history"], ex["candidates"], items, sids, variant=task_cfg.prompt_variant,
-      max_history=cap, max_len=task_cfg.prompt_len, short_words=task_cfg.short_title_words,
-      enable_thinking=task_cfg.enable_thinking,
-      mark_relations=bool(task_cfg.get("mark_relations", False)),
-      bought_next=traces_lib.bought_next(ex, task_cfg))
+      tokenizer, ex["history"], ex["candidates"], items, sids, style=style, max_history=cap,
+      max_len=task_cfg.prompt_len, bought_next=traces_lib.bought_next(ex, task_cfg))
   return ids, dropped - (n_hist - cap)
 
 

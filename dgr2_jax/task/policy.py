@@ -5,7 +5,8 @@ candidates (retriever order), the first whose relation to the last purchase
 (`rationale.relation`, and with `task.mark_copurchase` its next-purchase tier,
 task/copurchase.py) is the strongest of `tiers` goes first; when none has one of `tiers`, the
 retriever's #1 stays first. A candidate's relations are one label, or a tuple of labels (its
-next-purchase tier and its brand relation): the strongest of them in `tiers` counts. `tiers=[]` is the retriever's own order; `RULE` (every relation but
+next-purchase tier and its brand relation): the strongest of them in `tiers` counts. `tiers=[]` is
+the retriever's own order; `RULE` (every relation but
 "Top pick", all ten candidates) is the rule the demo's terse rationale follows.
 
 `fit` chooses a policy on the training split's lists by Recall@1 over a small grid (prefixes of

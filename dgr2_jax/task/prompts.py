@@ -15,6 +15,7 @@ Prompts that are too long for the static prompt length drop history items from t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from dgr2_jax.task import copurchase
@@ -167,10 +168,18 @@ def encode(tokenizer, text: str) -> list[int]:
   return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptStyle:
+  """How a prompt is written (the `task` section's prompt settings; `build_messages`)."""
+  variant: str = "compact"         # task.prompt_variant
+  short_words: int = 6             # task.short_title_words
+  mark_relations: bool = False     # task.mark_relations
+  enable_thinking: bool = True     # task.enable_thinking (`render_prompt_text`)
+
+
 def render_prompt_ids(tokenizer, history: Sequence[int], candidates: Sequence[int],
-                      items: Sequence[dict], sids: Sequence[str], *, variant: str = "compact",
-                      max_history: int = 20, max_len: int | None = None, short_words: int = 6,
-                      enable_thinking: bool = True, mark_relations: bool = False,
+                      items: Sequence[dict], sids: Sequence[str], *, style: PromptStyle = PromptStyle(),
+                      max_history: int = 20, max_len: int | None = None,
                       bought_next: Sequence[int] | None = None) -> tuple[list[int], int]:
   """Prompt token ids, dropping the oldest history items until it fits `max_len`.
 
@@ -181,9 +190,9 @@ def render_prompt_ids(tokenizer, history: Sequence[int], candidates: Sequence[in
   dropped = max(0, len(history) - max_history) if max_history > 0 else 0
   history = history[dropped:]
   while True:
-    msgs = build_messages(history, candidates, items, sids, variant, short_words, mark_relations,
-                          bought_next)
-    ids = encode(tokenizer, render_prompt_text(tokenizer, msgs, enable_thinking))
+    msgs = build_messages(history, candidates, items, sids, style.variant, style.short_words,
+                          style.mark_relations, bought_next)
+    ids = encode(tokenizer, render_prompt_text(tokenizer, msgs, style.enable_thinking))
     if max_len is None or len(ids) <= max_len:
       return ids, dropped
     if not history:

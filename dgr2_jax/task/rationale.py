@@ -34,6 +34,7 @@ items, are added while they bring the token count closer to `target_tokens`, cou
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 from dgr2_jax.task import prompts
@@ -157,18 +158,24 @@ def brief(history: Sequence[dict], pos: int, rel: str, recent: str | None = None
   return head + f"{rel} #{pos + 1}. So #{pos + 1} goes first, the others keep their order."
 
 
+@dataclasses.dataclass(frozen=True)
+class Pick:
+  """A caller's choice of the first candidate (e.g. the trace policy's, task/policy.py)."""
+  first: int                          # 0-based candidate position
+  relation_text: str | None = None    # the relation the terse/brief sentence names (None: the candidate's)
+
+
 def generate(history: Sequence[dict], hist_sids: Sequence[str], candidates: Sequence[dict],
              cand_sids: Sequence[str], target_pos: int | None = None, *, knows_target: bool = True,
              target_tokens: int = 130, count_fn: Callable[[str], int] | None = None,
-             style: str = "full", first: int | None = None,
-             relation_text: str | None = None) -> tuple[str, list[int]]:
-  """Returns (reasoning text, ranking as 0-based candidate positions). `first` (a caller's
-  choice, e.g. the trace policy's) overrides `knows_target`; `relation_text` the relation the
-  terse/brief sentence names (default: the chosen candidate's)."""
+             style: str = "full", pick: Pick | None = None) -> tuple[str, list[int]]:
+  """Returns (reasoning text, ranking as 0-based candidate positions). `pick` overrides
+  `knows_target`."""
   if style not in STYLES:
     raise ValueError(f"task.rationale_style must be one of {STYLES}, got {style!r}")
   count = count_fn or (lambda s: max(1, round(len(s.split()) * 1.3)))
   n = len(candidates)
+  first, relation_text = (pick.first, pick.relation_text) if pick is not None else (None, None)
   if first is not None:
     if not 0 <= first < n:
       raise ValueError(f"first={first} is not a candidate position (0..{n - 1})")

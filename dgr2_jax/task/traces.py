@@ -142,8 +142,8 @@ def builtin_trace(ex: dict, items, sids, task_cfg, count_fn: Callable[[str], int
   reasoning, order = rationale_lib.generate(
       hist_items, [sids[i] for i in hist], cand_items, [sids[i] for i in ex["candidates"]],
       ex["target_pos"], knows_target=knows_target, target_tokens=task_cfg.rationale_tokens,
-      count_fn=count_fn, style=task_cfg.get("rationale_style", "full"), first=first,
-      relation_text=rel)
+      count_fn=count_fn, style=task_cfg.get("rationale_style", "full"),
+      pick=None if first is None else rationale_lib.Pick(first, rel))
   ranking = answer_lib.ranking_entries(order, [sids[i] for i in ex["candidates"]],
                                        task_cfg.get("answer_ids", "sid"))
   return dict(ex, messages=example_messages(ex, items, sids, task_cfg),

@@ -18,12 +18,16 @@ is decided from the prompt only when every copy of it in the block is masked; at
 visible and the loss is a copy. Up-weighting it trains the decision itself more (1.0 = no change).
 `complementary=True` also trains the complementary mask of every row (each token trained once per
 pair), doubling the batch.
+The `cft` config section is this module's: its defaults (`cft_config`) and its checks (`validate`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from dgr2_jax.model import streams
@@ -68,20 +72,35 @@ def span_weights(batch, reasoning_weight: float, answer_weight: float, choice_we
   return w * batch["response_mask"]
 
 
-def cft_loss(model_config, params, batch, rng, *, block_size: int, mask_id: int, eps: float = 1e-3,
-             weighting: str = "1/t", reasoning_weight: float = 1.0, answer_weight: float = 1.0,
-             choice_weight: float = 1.0, choice_after_id: int = -1, complementary: bool = False,
-             fixed_t: float | None = None):
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+  """`cft_loss`'s static options (see the module docstring): `eps` the lowest mask rate,
+  `weighting` one of WEIGHTINGS, the span weights, `complementary` masks, and `fixed_t` (a mask
+  rate used for every block instead of drawing one; tests)."""
+  eps: float = 1e-3
+  weighting: str = "1/t"
+  reasoning_weight: float = 1.0
+  answer_weight: float = 1.0
+  choice_weight: float = 1.0
+  choice_after_id: int = -1
+  complementary: bool = False
+  fixed_t: float | None = None
+
+
+def cft_loss(model_config, params, batch, rng, *, block_size: int, mask_id: int,
+             options: LossOptions = LossOptions()):
   """-> (loss, metrics). `batch` is the task pipeline's dict (left-padded prompt, response spans)."""
+  o = options
+  weighting, eps, complementary = o.weighting, o.eps, o.complementary
   if weighting not in WEIGHTINGS:
     raise ValueError(f"cft.loss_weighting must be one of {WEIGHTINGS}, got {weighting!r}")
   resp = batch["response_ids"].astype(jnp.int32)
   b, r = resp.shape
   if r % block_size:
     raise ValueError(f"task.response_len ({r}) must be a multiple of the block size ({block_size})")
-  noisy, masked, t = corrupt(rng, resp, batch["response_mask"], block_size, mask_id, eps, fixed_t)
+  noisy, masked, t = corrupt(rng, resp, batch["response_mask"], block_size, mask_id, eps, o.fixed_t)
   prompt, plen, rmask = batch["prompt_ids"], batch["prompt_len"], batch["response_mask"]
-  w = span_weights(batch, reasoning_weight, answer_weight, choice_weight, choice_after_id)
+  w = span_weights(batch, o.reasoning_weight, o.answer_weight, o.choice_weight, o.choice_after_id)
   if complementary:
     real = rmask.astype(bool)
     noisy = jnp.concatenate([noisy, jnp.where(~masked & real, mask_id, resp)], 0)
@@ -114,6 +133,26 @@ def _model_dirs(config, runs: set, section: str) -> None:
       checks.model_dir(f"{section}.{f}", config[section][f])
 
 
+def cft_config() -> ml_collections.ConfigDict:
+  """Conversion fine-tuning (dgr2_jax.stages.cft, loss in dgr2_jax.train.cft)."""
+  c = ml_collections.ConfigDict()
+  c.init_from = ""          # '' => the previous model stage's dir (workdir/convert/model)
+  c.epochs = 3  # passes over the training traces
+  c.steps = 0               # > 0 overrides epochs
+  c.lr = 0.0                # 0 => train.optimizer.peak_lr
+  c.batch_size = 0          # 0 => train.batch_size
+  c.block_size = 32  # block of the block-diffusion attention the model is trained for
+  c.loss_weighting = "1/t"  # '1/t' (masked-diffusion ELBO) | 'none'
+  c.eps = 1e-3              # t ~ U(eps, 1)
+  c.complementary_mask = False  # also train on each mask's complement (two views per example)
+  c.reasoning_weight = 1.0  # loss weight of the reasoning tokens
+  c.answer_weight = 1.0  # loss weight of the answer tokens
+  # Multiplies reasoning_weight on the reasoning's candidate numbers (the token after each ' #':
+  # `next #4. So #4`): the first pick is decided there (dgr2_jax/train/cft.py). 1.0 = no change.
+  c.choice_weight = 1.0
+  return c
+
+
 def validate(config, runs: set) -> None:
   """Checks the `cft` config section (and that task.response_len is whole blocks)."""
   from dgr2_jax import checks
@@ -122,7 +161,7 @@ def validate(config, runs: set) -> None:
     return
   checks.positive_int(c, "cft", "block_size")
   checks.one_of(c, "cft", "loss_weighting", WEIGHTINGS)
-  if float(c.cft.get("choice_weight", 1.0)) < 0:
+  if float(c.cft.get("choice_weight", cft_config().choice_weight)) < 0:
     checks.fail("cft.choice_weight", f"must be >= 0, got {c.cft.choice_weight}")
   if not 0.0 < float(c.cft.eps) < 1.0:
     checks.fail("cft.eps", f"must be in (0, 1), got {c.cft.eps}")

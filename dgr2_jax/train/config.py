@@ -1,7 +1,7 @@
-"""Config section defaults owned by the training core: `config.train` (loop, optimiser, mesh,
-checkpoints, logging) with one sub-section per stage that trains (`train.sft`, ...).
+"""The config section the training core owns, `config.train` (loop, optimiser, mesh, checkpoints,
+logging) with one sub-section per stage that trains (`train.sft`, ...): its defaults and its checks.
 
-The lead assembles this into `configs/*.py`; `loop.train` reads only `config.train` and
+configs/base.py composes it into the config tree; `loop.train` reads only `config.train` and
 `config.seed`.
 """
 

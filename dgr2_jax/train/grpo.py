@@ -18,10 +18,13 @@ k3 = exp(ref - logp) - (ref - logp) - 1. `logp` are the current params' REPLAYED
 the decoding distribution of the rollout (same temperature/top-k/top-p), `old_logp` the ones the
 decoder recorded, so rho = 1 exactly before the first update (tests/test_cft_replay.py).
 The token count is metrics["denominator"] (gradient accumulation = the big batch).
+The `rl` and `teacher_rl` config sections are this module's: their defaults (`rl_config`,
+`teacher_rl_config`) and their checks (`validate`, `validate_teacher_rl`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -34,7 +37,7 @@ from dgr2_jax.train import replay
 
 
 def rl_config() -> ml_collections.ConfigDict:
-  """Defaults for `config.rl` (paper: Appendix B/C)."""
+  """Trajectory-level GRPO against the re-ranking reward (defaults: the paper's Appendix B/C)."""
   c = ml_collections.ConfigDict()
   c.init_from = ""             # '' => the previous model stage's dir (workdir/opd/model normally)
   c.group_size = 8             # G
@@ -54,6 +57,14 @@ def rl_config() -> ml_collections.ConfigDict:
   c.valid_every = 0
   c.valid_prompts = 512        # validation users decoded per point of the curve
   c.keep_best = False          # the curve's best point (Recall@1, then valid rate), not the last step
+  return c
+
+
+def teacher_rl_config() -> ml_collections.ConfigDict:
+  """The AR teacher's RL (stage teacher_rl: GRPO/DAPO with B = 1 on the SFT model, the paper's GR2)."""
+  c = rl_config()
+  c.lr = 1e-6  # constant
+  c.steps = 200  # optimiser steps
   return c
 
 
@@ -114,13 +125,22 @@ def ppo_terms(logp, old_logp, adv, mask, *, clip_low: float = 0.2, clip_high: fl
   return loss, metrics
 
 
-def grpo_loss(model_config, params, batch: dict, rng=None, *, block_size: int, clip_low: float = 0.2,
-              clip_high: float = 0.2, kl_coef: float = 0.0, temperature: float = 1.0, top_k: int = 0,
-              top_p: float = 1.0, mask_id=None) -> tuple[jax.Array, dict]:
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """`grpo_loss`'s objective options (`ppo_terms`): the clip range [1 - clip_low, 1 + clip_high]
+  of the ratio and the weight of the k3 KL to the reference policy (0 = none)."""
+  clip_low: float = 0.2
+  clip_high: float = 0.2
+  kl_coef: float = 0.0
+
+
+def grpo_loss(model_config, params, batch: dict, rng=None, *, block_size: int, objective: Objective = Objective(),
+              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, mask_id=None) -> tuple[jax.Array, dict]:
   """-> (loss, metrics). batch: prompt [b,P], prompt_len [b], clean/seg_tokens/pred_seg (replay),
   old_logp [b,R], advantages [b], loss_mask [b,R] (already 0 on dropped groups), and ref_logp
-  [b,R] when kl_coef > 0."""
+  [b,R] when objective.kl_coef > 0. temperature/top_k/top_p are the rollouts' decoding distribution."""
   del rng
+  kl_coef = objective.kl_coef
   mask_id = model_config.mask_token_id if mask_id is None else mask_id
   logp = replay.replay_logprobs(model_config, params, batch["prompt"], batch["prompt_len"],
                                    {k: batch[k] for k in ("clean", "seg_tokens", "pred_seg")}, block_size,
@@ -128,8 +148,8 @@ def grpo_loss(model_config, params, batch: dict, rng=None, *, block_size: int, c
   ref = batch.get("ref_logp") if kl_coef > 0 else None
   if kl_coef > 0 and ref is None:
     raise ValueError("rl.kl_coef > 0 needs ref_logp in the batch")
-  return ppo_terms(logp, batch["old_logp"], batch["advantages"], batch["loss_mask"], clip_low=clip_low,
-                   clip_high=clip_high, kl_coef=kl_coef, ref_logp=ref)
+  return ppo_terms(logp, batch["old_logp"], batch["advantages"], batch["loss_mask"], clip_low=objective.clip_low,
+                   clip_high=objective.clip_high, kl_coef=kl_coef, ref_logp=ref)
 
 
 def validate(config, runs: set, section: str = "rl") -> None:
@@ -153,3 +173,8 @@ def validate(config, runs: set, section: str = "rl") -> None:
   if not checks.is_int(c[section].get("rollout_batch_size", 0), 0):
     checks.fail(f"{section}.rollout_batch_size", f"must be an int >= 0 (0 = all rollouts at once), got "
                 f"{c[section].rollout_batch_size!r}")
+
+
+def validate_teacher_rl(config, runs: set) -> None:
+  """Checks the `teacher_rl` config section (an RL section: `validate`)."""
+  validate(config, runs, "teacher_rl")

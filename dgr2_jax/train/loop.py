@@ -1,4 +1,4 @@
-"""The one training loop every stage uses (SFT, CFT, ...): a stage is a pure loss + a batch iterator.
+"""The one training loop every stage uses (SFT, CFT, OPD, RL): a stage is a pure loss + its batches.
 
 Contract for a stage:
   loss_fn(params, batch, rng) -> (scalar loss, dict of scalar metrics)
@@ -11,20 +11,24 @@ Contract for a stage:
     (per process: batch_size / process_count rows). If it has `get_state() -> dict` and
     `set_state(dict)` (grain iterators do) its position is checkpointed and restored, so a resumed
     run sees exactly the batches an uninterrupted run would.
+  or step_batches (`StepBatches`): `make(params, step) -> (batch, host metrics)` builds each
+    step's batch from the CURRENT params (on-policy rollouts, `rollouts.on_policy_batches`); its
+    `data` iterator's position is checkpointed as above.
 
 Train state: the plain dict {"params", "opt_state", "step" (int32), "rng" (uint32[2] base key)};
 the per-step key is `fold_in(rng, step)`, so it needs no updating and resumes exactly.
 `train_step(state, batch) -> (state, metrics)` is jitted with explicit in/out shardings and the
-state donated. Resuming is automatic: `train` restores the latest checkpoint under
-`<workdir>/checkpoints` if there is one and continues to `train.total_steps`. With several
-processes each process's iterator state is saved (`checkpoint.gather_data_state`) and a resume
-under another process count is refused.
+state donated; the state owns its arrays, so the caller's `params` are never donated. Resuming is
+automatic: `train` restores the latest checkpoint under `<workdir>/checkpoints` if there is one
+and continues to `train.total_steps`. With several processes each process's iterator state is
+saved (`checkpoint.gather_data_state`) and a resume under another process count is refused.
 A non-finite loss stops the run with FloatingPointError naming the step; nothing is saved for that
 step, so the last good checkpoint stays the latest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -42,6 +46,16 @@ from dgr2_jax.train import optim
 
 LossFn = Callable[[Any, dict, jax.Array], tuple[jax.Array, dict]]
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Validation:
+  """Validation during `train`: `fn(params) -> {"valid_recall@1": x, ...}` runs before the first
+  step, every `every` steps and at the last (never when `every` <= 0); `keep_best` returns the
+  params of the curve's best point (see `train`)."""
+  fn: Callable[[Any], dict]
+  every: int = 0
+  keep_best: bool = False
 
 
 def cast_floats(tree, dtype):
@@ -143,14 +157,19 @@ def model_shardings(config):
 
 def init_state(params_or_fn, optimizer, shardings, seed: int, master_dtype):
   """Builds the sharded train state; a callable `params_or_fn(rng)` is run under jit straight
-  into its shardings (no full host copy of a big model)."""
+  into its shardings (no full host copy of a big model). The state owns its arrays: a caller's
+  jax array that needs no cast is copied, not aliased, since the train step donates the state and
+  would otherwise delete the caller's array."""
   root = jax.random.PRNGKey(int(seed))
   p_sh = shardings["params"]
   if callable(params_or_fn):
     fn = lambda r: cast_floats(params_or_fn(r), master_dtype)
     params = jax.jit(fn, out_shardings=p_sh)(jax.random.fold_in(root, 0))
   else:
-    params = jax.device_put(cast_floats(params_or_fn, master_dtype), p_sh)
+    def place(x, sh):
+      y = cast_floats(x, master_dtype)
+      return jax.device_put(y, sh, may_alias=False if y is x else None)
+    params = jax.tree_util.tree_map(place, params_or_fn, p_sh)
   opt_state = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])(params)
   rep = shardings["step"]
   return {"params": params, "opt_state": opt_state,
@@ -175,14 +194,39 @@ def stop_if_not_finite(m: dict, step: int, total: int, desc: str, writer, manage
                            f"without saving. Last good checkpoint: {where}")
 
 
-def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable[dict],
-          mesh=None, desc: str = "train") -> dict:
-  """Trains `params` (pytree, or `fn(rng) -> pytree`) with `loss_fn` on `batch_iter`.
+@dataclasses.dataclass(frozen=True)
+class StepBatches:
+  """Where `train` gets its batches: `make(params, step) -> (batch, host_metrics)` builds step
+  `step`'s batch, possibly from the CURRENT `params` (on-policy rollouts); `host_metrics` (floats,
+  the same on every process) are logged with the step. `data` is the iterator behind it, whose
+  position is checkpointed and restored when it has `get_state` / `set_state`; None: no position."""
+  make: Callable[[Any, int], tuple[dict, dict]]
+  data: Any = None
 
-  Reads `config.seed` and `config.train`. Writes `<workdir>/checkpoints`, `<workdir>/metrics.jsonl`
-  and `<workdir>/tensorboard`. Resumes from the latest checkpoint in `workdir` when present.
-  Returns the final train-state dict (sharded jax arrays).
-  """
+
+def iterator_batches(batch_iter: Iterable[dict]) -> StepBatches:
+  """The batches of a plain iterator (or iterable), which does not look at the params."""
+  it = batch_iter if hasattr(batch_iter, "__next__") else iter(batch_iter)
+  return StepBatches(lambda params, step: (next(it), {}), it)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+  """What `train` derives from `config.train` before the first step."""
+  total: int
+  batch_size: int
+  grad_accum: int
+  master_dtype: Any
+  mesh: Any
+  optimizer: optax.GradientTransformation
+  schedule: optax.Schedule
+  shapes: dict
+  shardings: dict
+  batch_sharding: NamedSharding
+
+
+def _setup(config, params, mesh) -> _Setup:
+  """Checks `config.train`, builds the mesh, optimiser and the train state's shapes/shardings."""
   tc = config.train
   total = int(tc.total_steps)
   gb, k = int(tc.batch_size), int(tc.grad_accum_steps)
@@ -198,62 +242,144 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
   mesh = mesh if mesh is not None else mesh_lib.make_mesh(tc.mesh)
   rules = tuple(tc.logical_axis_rules)
   optimizer, schedule = optim.make_optimizer(tc.optimizer, total)
-
-  root = jax.random.PRNGKey(int(config.seed))
   if callable(params):
+    root = jax.random.PRNGKey(int(config.seed))
     param_shapes = jax.eval_shape(lambda r: cast_floats(params(r), master_dtype), root)
   else:
     param_shapes = jax.eval_shape(lambda p: cast_floats(p, master_dtype), params)
   shapes, shardings = state_shardings(param_shapes, optimizer, mesh, rules)
-  b_sh = mesh_lib.batch_sharding(mesh, rules, gb)
-  mb_sh = mesh_lib.batch_sharding(mesh, rules, gb // k) if k > 1 else None
+  return _Setup(total, gb, k, master_dtype, mesh, optimizer, schedule, shapes, shardings,
+                mesh_lib.batch_sharding(mesh, rules, gb))
 
-  it = batch_iter if hasattr(batch_iter, "__next__") else iter(batch_iter)
+
+def _compile_step(su: _Setup, loss_fn: LossFn, rules, frozen):
+  """-> step_fn(state, batch) jitted with the state's shardings and the state donated. `frozen`
+  (not None) is placed once with its parameter shardings and passed to every step."""
+  mb_sh = mesh_lib.batch_sharding(su.mesh, rules, su.batch_size // su.grad_accum) if su.grad_accum > 1 else None
+  step = make_train_step(loss_fn, su.optimizer, su.schedule, su.grad_accum, mb_sh, with_frozen=frozen is not None)
+  out_sh = (su.shardings, NamedSharding(su.mesh, P()))
+  if frozen is None:
+    return jax.jit(step, in_shardings=(su.shardings, su.batch_sharding), out_shardings=out_sh, donate_argnums=(0,))
+  f_sh = mesh_lib.param_shardings(jax.eval_shape(lambda x: x, frozen), su.mesh, rules)
+  frozen = jax.device_put(frozen, f_sh)
+  jitted = jax.jit(step, in_shardings=(su.shardings, su.batch_sharding, f_sh), out_shardings=out_sh,
+                   donate_argnums=(0,))
+  return lambda st, b: jitted(st, b, frozen)
+
+
+def _resume_data(data, data_state: dict, start: int, workdir: str) -> None:
+  """Puts the data iterator at the position saved with checkpoint `start`.
+
+  A saved position the iterator cannot take is an error: carrying on would feed the resumed run
+  other batches (other prompts, on-policy) than an uninterrupted run sees, silently breaking exact
+  resumption. A checkpoint without a position for an iterator that has one (written by a run whose
+  iterator had none) only warns: the data restarts and nothing that was saved is thrown away. Both
+  loops now do this (the on-policy one used to ignore both cases without a word)."""
+  if data_state:
+    if not hasattr(data, "set_state"):
+      raise ValueError(f"checkpoint step {start} in {workdir} holds a data-iterator state but the "
+                       "batch iterator has no set_state(); cannot resume the data position")
+    data.set_state(data_state)
+  elif hasattr(data, "get_state"):
+    logging.warning("checkpoint step %d has no data-iterator state; the data restarts", start)
+
+
+class _Validator:
+  """Runs a `Validation`, keeps its curve and (keep_best) a device copy of the best params."""
+
+  def __init__(self, validation: Validation):
+    self.v = validation
+    self.curve, self.best = [], None   # best: ((recall, valid rate), step, params copy)
+
+  def due(self, step: int, total: int) -> bool:
+    return self.v.every > 0 and (step % self.v.every == 0 or step == total)
+
+  def run(self, params, step: int) -> dict:
+    vm = {n: float(v) for n, v in self.v.fn(params).items()}
+    self.curve.append({"step": step, **vm})
+    key = (vm["valid_recall@1"], vm.get("valid_valid_rate", 0.0))
+    if self.v.keep_best and (self.best is None or key > self.best[0]):
+      self.best = (key, step, jax.tree_util.tree_map(jnp.copy, params))
+    return vm
+
+  def finish(self, state: dict) -> dict:
+    if self.best is not None:
+      state = dict(state, params=self.best[2])
+    return dict(state, valid_curve=self.curve, best_step=None if self.best is None else self.best[1])
+
+
+def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable[dict] | None = None,
+          step_batches: StepBatches | None = None, mesh=None, desc: str = "train", frozen=None,
+          validation: Validation | None = None) -> dict:
+  """Trains `params` (pytree, or `fn(rng) -> pytree`) with `loss_fn` on `batch_iter` (an iterator
+  of batches) or `step_batches` (batches made per step from the current params; exactly one).
+  The caller's `params` stay intact (the state holds its own copy).
+
+  Reads `config.seed` and `config.train`. Writes `<workdir>/checkpoints`, `<workdir>/metrics.jsonl`
+  and `<workdir>/tensorboard`. Resumes from the latest checkpoint in `workdir` when present.
+  `frozen` (e.g. a teacher's params) is passed to every step as `loss_fn(params, batch, rng,
+  frozen)`; it is neither trained nor checkpointed.
+  `validation` runs `validation.fn(params) -> {"valid_recall@1": x, ...}` before the first step,
+  every `validation.every` steps and at the last: its numbers join that step's metrics and the
+  returned state's `valid_curve`. `keep_best` returns the params of the curve's best point: the
+  highest `valid_recall@1`, ties broken by the higher `valid_valid_rate` (an invalid answer falls
+  back to the retriever's order, so of two equal rankers the one that answers validly more often
+  is kept), then by the earliest step; it holds one more copy of the params on the devices, and a
+  resumed run's curve starts at the resumed step. With `validation` the state also has
+  `best_step` (None unless keep_best).
+  Returns the final train-state dict (sharded jax arrays).
+  """
+  if (batch_iter is None) == (step_batches is None):
+    raise ValueError("train: pass exactly one of batch_iter and step_batches")
+  source = iterator_batches(batch_iter) if step_batches is None else step_batches
+  tc = config.train
+  su = _setup(config, params, mesh)
+  total, gb = su.total, su.batch_size
   manager = ckpt_lib.make_manager(workdir, tc.keep_checkpoints, tc.async_checkpointing)
   start = manager.latest_step()
   if start is not None:
-    state, data_state = ckpt_lib.restore(manager, start, ckpt_lib.abstract_like(shapes, shardings))
-    if data_state:
-      if not hasattr(it, "set_state"):
-        raise ValueError(f"checkpoint step {start} in {workdir} holds a data-iterator state but the "
-                         "batch iterator has no set_state(); cannot resume the data position")
-      it.set_state(data_state)
-    elif hasattr(it, "get_state"):
-      logging.warning("checkpoint step %d has no data-iterator state; the data restarts", start)
-    logging.info("resumed from step %d in %s", start, workdir)
+    state, data_state = ckpt_lib.restore(manager, start, ckpt_lib.abstract_like(su.shapes, su.shardings))
+    _resume_data(source.data, data_state, start, workdir)
+    logging.info("%s: resumed from step %d in %s", desc, start, workdir)
   else:
     start = 0
-    state = init_state(params, optimizer, shardings, config.seed, master_dtype)
+    state = init_state(params, su.optimizer, su.shardings, config.seed, su.master_dtype)
 
-  rep = NamedSharding(mesh, P())
-  step_fn = jax.jit(make_train_step(loss_fn, optimizer, schedule, k, mb_sh),
-                    in_shardings=(shardings, b_sh), out_shardings=(shardings, rep),
-                    donate_argnums=(0,))
+  step_fn = _compile_step(su, loss_fn, tuple(tc.logical_axis_rules), frozen)
   writer = metrics_lib.MetricsWriter(workdir, total, start, bool(tc.tensorboard),
                                      jax.process_index() == 0, desc)
+  val = _Validator(validation) if validation is not None else None
   log_every, ckpt_every = max(int(tc.log_every), 1), max(int(tc.checkpoint_every), 1)
   last_saved = start if start else None
   t0, t_steps = time.perf_counter(), 0
   try:
+    if val is not None and validation.every > 0:
+      logging.info("%s: step %d validation %s", desc, start, val.run(state["params"], start))
     for s in range(start + 1, total + 1):
       try:
-        batch = next(it)
+        batch, host_m = source.make(state["params"], s)
       except StopIteration:
         raise ValueError(f"the batch iterator ended before step {s} of train.total_steps={total}") from None
-      state, m = step_fn(state, mesh_lib.shard_batch(batch, b_sh, gb))
+      t1 = time.perf_counter()
+      state, m = step_fn(state, mesh_lib.shard_batch(batch, su.batch_sharding, gb))
       m = {n: float(v) for n, v in jax.device_get(m).items()}
+      m.update(host_m)
+      m["update_time_s"] = time.perf_counter() - t1
       t_steps += 1
       stop_if_not_finite(m, s, total, desc, writer, manager, last_saved)
-      if s % log_every == 0 or s == total:
+      validate = val is not None and val.due(s, total)
+      if validate or s % log_every == 0 or s == total:
         m["steps_per_sec"] = t_steps / max(time.perf_counter() - t0, 1e-9)
+        if validate:
+          m.update(val.run(state["params"], s))
         writer.write(s, m)
         t0, t_steps = time.perf_counter(), 0
       writer.bar(s, m)
       if s % ckpt_every == 0 or s == total:
-        ckpt_lib.save(manager, s, state, ckpt_lib.gather_data_state(iter_state(it)))
+        ckpt_lib.save(manager, s, state, ckpt_lib.gather_data_state(iter_state(source.data)))
         last_saved = s
     manager.wait_until_finished()
   finally:
     writer.close()
     manager.close()
-  return state
+  return state if val is None else val.finish(state)

@@ -1,6 +1,6 @@
 """Per-device memory of each training stage, as formulas over a config (no arrays).
 
-One plan for `launch/dry_run.py` (the 8-GPU plans of the paper presets) and
+One plan for the dry run (`dgr2_jax/train/dry_run.py`: the 8-GPU plans of the paper presets) and
 `benchmarks/stage_memory.py` (measured against it on CPU at Qwen3's vocabulary). Terms, bytes per
 device for one optimizer step, with rows = micro-batch rows on this device (train.batch_size /
 grad_accum_steps / (data * fsdp)) and T = the stage's sequence:

@@ -28,7 +28,7 @@ by their count in the batch (token-level mean; the count is metrics["denominator
 accumulation equals the big batch).
 
 Student context (`opd.student_context`): the canvas the student's distribution at r is read from.
-  * 'replay' (default; the issue's and ../shared/design's contract): the canvas of the denoising
+  * 'replay' (default; the contract of docs/design.md, "Replay"): the canvas of the denoising
     step that committed r, rebuilt from the rollout (`rollouts.replay_inputs`). This is the
     distribution the decoder actually drew token r from.
   * 'prefix': the canvas with exactly the tokens left of r in its block visible and the rest
@@ -40,9 +40,10 @@ Student context (`opd.student_context`): the canvas the student's distribution a
   the number k). The teacher's target then echoes the student's own sample, and the teacher's
   doubt lands on the neighbour, which the student scores with the answer in view. 'prefix'
   gives both sides the same conditioning but trains a canvas the parallel decoder does not
-  visit. In the demo neither setting lowers the held-out KL reliably (docs/results.md: the recipe figures). Cost: 'prefix' needs
-  one canvas per token (`replay_max_segments` 0 or >= block size to be exact; fewer merges neighbouring
-  tokens, see train/replay.py); benchmarks/replay_cost.py times canvases per block.
+  visit. In the demo neither setting lowers the held-out KL reliably (docs/results.md: the recipe
+  figures). Cost: 'prefix' needs one canvas per token (`replay_max_segments` 0 or >= block size
+  to be exact; fewer merges neighbouring tokens, see train/replay.py); benchmarks/replay_cost.py
+  times canvases per block.
 
 Variant teacher 'self_tau1' (more decode compute as the teacher, a latency lever): the teacher is
 a frozen copy of the student's starting diffusion model. For each student rollout we build the
@@ -74,7 +75,8 @@ CACHE_KEYS = {"full": ("teacher_logp",), "topk": ("teacher_topk_logp", "teacher_
 
 
 def opd_config() -> ml_collections.ConfigDict:
-  """Defaults for `config.opd` (paper: Appendix A/C)."""
+  """On-policy distillation from the AR teacher on the student's own rollouts (defaults: the paper's
+  Appendix A/C)."""
   c = ml_collections.ConfigDict()
   c.init_from = ""             # '' => the previous model stage's dir (workdir/cft/model normally)
   c.teacher_dir = ""           # '' => the AR teacher (teacher_rl or sft model); unused for 'self_tau1'

@@ -16,7 +16,6 @@ With `max_segments_per_block` = block size replay is always exact.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

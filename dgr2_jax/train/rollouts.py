@@ -13,35 +13,28 @@ runs; jit partitions the whole decode over the data axis (every op is per row ex
 all-rows-done test of the while loop, which becomes an all-reduce). The params keep the train
 state's shardings. On CPU a single device is used and this is a no-op.
 
-On-policy loop (`train_on_policy`): `loop.train` pulls batches from an iterator that cannot see
-the params, so on-policy stages use this twin of it built from the same pieces
-(`loop.make_train_step`, `loop.state_shardings`, `loop.init_state`, `train.checkpoint`,
-`train.metrics`): per step it draws a batch of prompts from `prompt_iter` (a checkpointable grain
-iterator), calls `make_batch(params, prompts, step_key)` with the CURRENT params (rollouts, reward
-or teacher scoring, replay inputs; host-side), then runs the jitted train step on the result.
-Resume, the data-iterator state, the NaN guard and the metric sinks behave as in `loop.train`;
-`make_batch`'s host metrics (reward, NFE, rollout time, ...) are logged with the step's metrics.
-The rollout key of step s is `fold_in(PRNGKey(seed + 1), s)`, so a resumed run replays exactly.
+On-policy training (`train_on_policy`): `loop.train` with a step-batch source
+(`on_policy_batches`): per step it draws a batch of prompts from `prompt_iter` (a checkpointable
+grain iterator), calls `make_batch(params, prompts, step_key)` with the CURRENT params (rollouts,
+reward or teacher scoring, replay inputs; host-side), then `loop.train` runs the jitted train step
+on the result. Set-up, checks, resume, the data-iterator state, the NaN guard, validation and the
+metric sinks are `loop.train`'s; `make_batch`'s host metrics (reward, NFE, ...) and the rollout
+time are logged with the step's metrics. The rollout key of step s is `fold_in(PRNGKey(seed + 1),
+s)`, so a resumed run replays exactly.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dgr2_jax import multihost
 from dgr2_jax.decode import sampler
-from dgr2_jax.train import checkpoint as ckpt_lib
 from dgr2_jax.train import loop
-from dgr2_jax.train import mesh as mesh_lib
-from dgr2_jax.train import metrics as metrics_lib
-from dgr2_jax.train import optim
 from dgr2_jax.train import replay
 
 SEGMENT_KEYS = ("clean", "seg_tokens", "pred_seg")
@@ -167,104 +160,33 @@ def left_to_right_commit_steps(commit_step: np.ndarray) -> np.ndarray:
   return np.where(commit_step >= 0, np.arange(r)[None], -1).astype(commit_step.dtype)
 
 
+def on_policy_batches(make_batch: Callable[[dict, dict, jax.Array], tuple[dict, dict]], prompt_iter,
+                      seed: int) -> loop.StepBatches:
+  """`loop.train`'s step-batch source for on-policy stages: step s draws the next prompts from
+  `prompt_iter` and calls `make_batch(params, prompts, fold_in(PRNGKey(seed + 1), s))` with the
+  current params. Its host metrics (this process's rows) are averaged over the processes and
+  logged with `rollout_time_s`, the seconds the batch took to make."""
+  rollout_root = jax.random.PRNGKey(int(seed) + 1)
+
+  def make(params, step: int):
+    t0 = time.perf_counter()
+    batch, host_m = make_batch(params, next(prompt_iter), jax.random.fold_in(rollout_root, step))
+    if host_m:
+      host_m = {n: float(np.mean(v)) for n, v in zip(host_m, zip(*multihost.allgather(
+          "rollout_metrics", [float(x) for x in host_m.values()])))}
+    return batch, dict(host_m, rollout_time_s=time.perf_counter() - t0)
+
+  return loop.StepBatches(make, prompt_iter)
+
+
 def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
                     make_batch: Callable[[dict, dict, jax.Array], tuple[dict, dict]],
                     prompt_iter, mesh=None, desc: str = "on-policy", frozen=None,
-                    validate: Callable[[dict], dict] | None = None, validate_every: int = 0,
-                    keep_best: bool = False) -> dict:
-  """`loop.train` for on-policy stages (see the module docstring). `config.train.batch_size` is
-  the number of ROWS `make_batch` returns (prompts per step * rollouts per prompt). `frozen` (e.g.
-  the teacher's params) is placed once with its parameter shardings and passed to every step as
-  `loss_fn(params, batch, rng, frozen)`; it is neither trained nor checkpointed.
-
-  `validate(params) -> {"valid_recall@1": x, ...}` runs before the first step and every
-  `validate_every` steps (and at the last): its numbers join that step's metrics and the returned
-  state's `valid_curve`. `keep_best` returns the params of the curve's best point: the highest
-  `valid_recall@1`, ties broken by the higher `valid_valid_rate` (an invalid answer falls back to
-  the retriever's order, so of two equal rankers the one that answers validly more often is
-  kept), then by the earliest step. So the number of steps is chosen on validation; it holds one
-  more copy of the params on the devices, and a resumed run's curve starts at the resumed step."""
-  tc = config.train
-  total, gb, k = int(tc.total_steps), int(tc.batch_size), int(tc.grad_accum_steps)
-  if total <= 0:
-    raise ValueError(f"train.total_steps must be positive, got {total}")
-  if k <= 0 or gb % k:
-    raise ValueError(f"train.batch_size ({gb}) must be divisible by train.grad_accum_steps ({k})")
-  master_dtype = loop._DTYPES[tc.param_dtype]  # pylint: disable=protected-access
-  mesh = mesh if mesh is not None else mesh_lib.make_mesh(tc.mesh)
-  rules = tuple(tc.logical_axis_rules)
-  optimizer, schedule = optim.make_optimizer(tc.optimizer, total)
-  param_shapes = jax.eval_shape(lambda p: loop.cast_floats(p, master_dtype), params)
-  shapes, shardings = loop.state_shardings(param_shapes, optimizer, mesh, rules)
-  b_sh = mesh_lib.batch_sharding(mesh, rules, gb)
-  mb_sh = mesh_lib.batch_sharding(mesh, rules, gb // k) if k > 1 else None
-
-  manager = ckpt_lib.make_manager(workdir, tc.keep_checkpoints, tc.async_checkpointing)
-  start = manager.latest_step()
-  if start is not None:
-    state, data_state = ckpt_lib.restore(manager, start, ckpt_lib.abstract_like(shapes, shardings))
-    if data_state and hasattr(prompt_iter, "set_state"):
-      prompt_iter.set_state(data_state)
-    logging.info("%s: resumed from step %d in %s", desc, start, workdir)
-  else:
-    start = 0
-    state = loop.init_state(params, optimizer, shardings, config.seed, master_dtype)
-
-  rep = NamedSharding(mesh, P())
-  step = loop.make_train_step(loss_fn, optimizer, schedule, k, mb_sh, with_frozen=frozen is not None)
-  if frozen is None:
-    step_fn = jax.jit(step, in_shardings=(shardings, b_sh), out_shardings=(shardings, rep),
-                      donate_argnums=(0,))
-  else:
-    f_sh = mesh_lib.param_shardings(jax.eval_shape(lambda x: x, frozen), mesh, rules)
-    frozen = jax.device_put(frozen, f_sh)
-    jitted = jax.jit(step, in_shardings=(shardings, b_sh, f_sh), out_shardings=(shardings, rep),
-                     donate_argnums=(0,))
-    step_fn = lambda st, b: jitted(st, b, frozen)
-  writer = metrics_lib.MetricsWriter(workdir, total, start, bool(tc.tensorboard),
-                                     jax.process_index() == 0, desc)
-  rollout_root = jax.random.PRNGKey(int(config.seed) + 1)
-  ckpt_every = max(int(tc.checkpoint_every), 1)
-  last_saved = start if start else None
-  curve, best = [], None   # best: ((recall, valid rate), step, params copy)
-
-  def run_validation(s: int) -> dict:
-    nonlocal best
-    vm = {n: float(v) for n, v in validate(state["params"]).items()}
-    curve.append({"step": s, **vm})
-    key = (vm["valid_recall@1"], vm.get("valid_valid_rate", 0.0))
-    if keep_best and (best is None or key > best[0]):
-      best = (key, s, jax.tree_util.tree_map(jnp.copy, state["params"]))
-    return vm
-
-  validating = validate is not None and validate_every > 0
-  try:
-    if validating:
-      logging.info("%s: step %d validation %s", desc, start, run_validation(start))
-    for s in range(start + 1, total + 1):
-      t0 = time.perf_counter()
-      prompts = next(prompt_iter)
-      batch, host_m = make_batch(state["params"], prompts, jax.random.fold_in(rollout_root, s))
-      t1 = time.perf_counter()
-      state, m = step_fn(state, mesh_lib.shard_batch(batch, b_sh, gb))
-      m = {n: float(v) for n, v in jax.device_get(m).items()}
-      # Host metrics (rewards, valid rate, ...) of this process's rows: averaged over processes.
-      host_m = {n: float(np.mean(v)) for n, v in zip(host_m, zip(*multihost.allgather(
-          "rollout_metrics", [float(x) for x in host_m.values()])))} if host_m else host_m
-      m.update(host_m)
-      m.update(rollout_time_s=t1 - t0, update_time_s=time.perf_counter() - t1)
-      if validating and (s % validate_every == 0 or s == total):
-        m.update(run_validation(s))
-      loop.stop_if_not_finite(m, s, total, desc, writer, manager, last_saved)
-      writer.write(s, m)
-      writer.bar(s, m)
-      if s % ckpt_every == 0 or s == total:
-        ckpt_lib.save(manager, s, state, ckpt_lib.gather_data_state(loop.iter_state(prompt_iter)))
-        last_saved = s
-    manager.wait_until_finished()
-  finally:
-    writer.close()
-    manager.close()
-  if best is not None:
-    state = dict(state, params=best[2])
-  return dict(state, valid_curve=curve, best_step=None if best is None else best[1])
+                    validation: loop.Validation | None = None) -> dict:
+  """`loop.train` on `on_policy_batches(make_batch, prompt_iter, config.seed)` (see the module
+  docstring). `config.train.batch_size` is the number of ROWS `make_batch` returns (prompts per
+  step * rollouts per prompt). `frozen` and `validation` are `loop.train`'s; the caller's `params`
+  stay intact."""
+  return loop.train(config, workdir, params=params, loss_fn=loss_fn,
+                    step_batches=on_policy_batches(make_batch, prompt_iter, config.seed), mesh=mesh,
+                    desc=desc, frozen=frozen, validation=validation)
