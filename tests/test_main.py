@@ -330,8 +330,12 @@ def test_ladder_uses_each_model_and_ar_decoding(tmp_path, monkeypatch):
                   ("ar", m("teacher_rl"), 1, "threshold", 1.0, 8, "h-teacher_rl"),
                   ("naive", m("convert"), 32, "threshold", 0.7, 0, "h-convert"),
                   ("cft", m("cft"), 32, "threshold", 0.7, 0, "h-cft")]
+  # Beside the floor, the trace policy alone on the same users (#2 for all: targets #2 twice in four),
+  # with the models' columns: its picks are the teacher's, so it ties with it.
   assert [(r["method"], r["recall@1"]) for r in obj] == [
-      ("pre_rank", 0.2), ("ar_sft", 0.45), ("ar", 0.5), ("naive", 0.1), ("cft", 0.4)]
+      ("pre_rank", 0.2), ("rule_policy", 0.5), ("ar_sft", 0.45), ("ar", 0.5), ("naive", 0.1), ("cft", 0.4)]
+  rule = obj[1]
+  assert (rule["n"], rule["override_rate"], rule["policy_agreement"], rule["delta_teacher"]) == (4, 1.0, 1.0, 0.0)
   # The speculative row: the final diffusion model drafts, the AR teacher (teacher_rl) verifies.
   sc = pipeline.method_config(c, workdir, "speculative", "opd")
   assert (sc.decode.mode, sc.decode.verifier_dir, sc.decode.block_size, sc.decode.threshold,

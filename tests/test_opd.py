@@ -258,11 +258,17 @@ def test_on_policy_run_leaves_the_callers_params_intact(setup, tmp_path):
   assert np.isfinite(float(loss_fn(params, batch, jax.random.PRNGKey(0))[0]))
 
 
-@pytest.mark.parametrize("rates,best", [((1.0, 0.8, 0.8), 2), ((1.0, 0.8, 0.9), 3)])
-def test_on_policy_validation_curve_keeps_the_best_point(setup, tmp_path, rates, best):
+START_HITS = [1] * 4 + [0] * 16                            # 20 validation users, Recall@1 0.2
+CLEAR_GAIN = [1] * 10 + [0] * 10                           # +6 users, none lost: +0.3, SE 0.105
+NOISE_GAIN = [1, 1, 1, 0] + [1] * 3 + [0] * 13             # +3 users, -1: +0.1, SE 0.1 (< 2 SE)
+
+
+@pytest.mark.parametrize("later,rates,best", [(CLEAR_GAIN, (1.0, 0.8, 0.8), 2), (CLEAR_GAIN, (1.0, 0.8, 0.9), 3),
+                                              (NOISE_GAIN, (1.0, 0.8, 0.9), 0)])
+def test_on_policy_validation_curve_keeps_the_best_point(setup, tmp_path, later, rates, best):
   """`validate` runs before step 1, every `validate_every` steps and at the last; `keep_best`
-  returns the params the best validation Recall@1 was measured on (ties: the higher valid rate,
-  then the earliest)."""
+  returns the params of the best point (ties: the higher valid rate, then the earliest) among those
+  that beat the first point by 2 paired standard errors, else the first point's."""
   cfg, teacher, _, toks, lens = setup
   # Params of its own (not the fixture's `other`).
   other = jax.tree_util.tree_map(lambda x: x * 8 if x.ndim == 2 else x, qwen3.init_params(cfg, jax.random.PRNGKey(2)))
@@ -275,12 +281,12 @@ def test_on_policy_validation_curve_keeps_the_best_point(setup, tmp_path, rates,
     return _batch(cfg, teacher, roll, rollouts.replay_inputs(roll, 4, 63)), {}
 
   seen = []
-  scores = iter(zip([0.2, 0.5, 0.5], rates))   # steps 0, 2, 3 (every 2 and the last)
+  scores = iter(zip([START_HITS, later, later], rates))   # steps 0, 2, 3 (every 2 and the last)
 
   def validate(p):
     seen.append(np.asarray(jax.tree_util.tree_leaves(p)[0]).copy())
-    r, v = next(scores)
-    return {"valid_recall@1": r, "valid_valid_rate": v}
+    hits, v = next(scores)
+    return {"valid_recall@1": float(np.mean(hits)), "valid_valid_rate": v, "valid_hits": hits}
 
   loss_fn = lambda p, b, rng: opd.opd_loss(bcfg, p, b, rng, block_size=4)
   state = rollouts.train_on_policy(config, str(tmp_path), params=other, loss_fn=loss_fn,
@@ -289,6 +295,9 @@ def test_on_policy_validation_curve_keeps_the_best_point(setup, tmp_path, rates,
   assert [c["step"] for c in state["valid_curve"]] == [0, 2, 3] and state["best_step"] == best
   assert len(seen) == 3 and not np.allclose(seen[1], seen[2])
   np.testing.assert_array_equal(np.asarray(jax.tree_util.tree_leaves(state["params"])[0]),
-                                seen[{2: 1, 3: 2}[best]])
+                                seen[{0: 0, 2: 1, 3: 2}[best]])
+  gain, se = state["valid_curve"][1]["valid_gain_over_start"], state["valid_curve"][1]["valid_gain_se"]
+  d = np.asarray(later, float) - np.asarray(START_HITS, float)   # by hand: mean and SE of the pairs
+  assert gain == pytest.approx(d.mean()) and se == pytest.approx(d.std(ddof=1) / np.sqrt(20))
   recs = [json.loads(l) for l in open(os.path.join(tmp_path, "metrics.jsonl"))]
-  assert [r.get("valid_recall@1") for r in recs] == [None, 0.5, 0.5]
+  assert [r.get("valid_recall@1") for r in recs] == [None, np.mean(later), np.mean(later)]

@@ -112,11 +112,13 @@ def prompt_iterator(prompts: dict, prompts_per_step: int, seed: int):
 
 
 def validator(config, workdir: str, rc, policy_cfg, dc):
-  """`params -> {"valid_recall@1", "valid_valid_rate"}` for an on-policy stage whose section `rc` has
-  valid_every / valid_prompts (opd, rl, teacher_rl): greedy decoding (the rollouts' decode
-  config at temperature 0) of the first `rc.valid_prompts` validation users whose target is
-  listed; an invalid output falls back to the retriever's order, as in evaluation. None when
-  `rc.valid_every` is 0. Several processes: each decodes its share, the counts are summed."""
+  """`params -> {"valid_recall@1", "valid_valid_rate", "valid_hits"}` for an on-policy stage whose
+  section `rc` has valid_every / valid_prompts (opd, rl, teacher_rl): greedy decoding (the
+  rollouts' decode config at temperature 0) of the first `rc.valid_prompts` validation users whose
+  target is listed; an invalid output falls back to the retriever's order, as in evaluation.
+  `valid_hits`: each user's hit (0/1) in user order, which pairs the curve's points (keep_best,
+  `loop.Validation`). None when `rc.valid_every` is 0. Several processes: each decodes users
+  i, i + P, ..., and the hits are gathered back into user order (the same for any P)."""
   if not int(rc.get("valid_every", 0)) or not int(rc.get("valid_prompts", 0)):
     return None
   vt = task_setup(config, workdir, "valid")
@@ -128,18 +130,20 @@ def validator(config, workdir: str, rc, policy_cfg, dc):
   def evaluate(params) -> dict:
     roll = rollouts.sample(policy_cfg, params, prompts["prompt_ids"], prompts["prompt_len"], greedy,
                            jax.random.PRNGKey(0), 1)
-    hits = valid = 0
+    hits, valid = [], []
     for ids, fin, cand, r_d in zip(roll["output_ids"], roll["finished"], prompts["candidates"],
                                    prompts["target_rank_in_candidates"]):
       parsed = answer_lib.parse_response(vt["tokenizer"].decode(ids, skip_special_tokens=False),
                                          [vt["sids"][int(i)] for i in cand]) if fin else None
       ok = parsed is not None and parsed.valid
       rank = metrics_lib.target_rank(parsed.positions, int(r_d) - 1) if ok else int(r_d)
-      hits += rank == 1
-      valid += ok
-    tot = np.sum(multihost.allgather("valid_curve", [int(hits), int(valid),
-                                                     len(prompts["prompt_ids"])]), 0)
-    return {"valid_recall@1": float(tot[0] / tot[2]), "valid_valid_rate": float(tot[1] / tot[2])}
+      hits.append(int(rank == 1))
+      valid.append(int(ok))
+    parts = multihost.allgather("valid_curve", [hits, valid])   # [process][hits | valid][its j-th user]
+    user_order = lambda k: [parts[p][k][j] for j in range(n // pc) for p in range(pc)]   # user j * P + p
+    all_hits, all_valid = user_order(0), user_order(1)
+    return {"valid_recall@1": float(np.mean(all_hits)), "valid_valid_rate": float(np.mean(all_valid)),
+            "valid_hits": all_hits}
 
   return evaluate
 

@@ -16,7 +16,8 @@ canvas, or 'prefix', P and o_<t). The train config is `config.train` with batch_
 total_steps = `opd.steps` (0: `opd.epochs` passes over the prompts), a constant lr `opd.lr`
 without warmup. Resumes like the SFT stage. With `opd.valid_every` > 0 a greedy validation curve
 (`on_policy.validator`, as the RL stages') is written to `workdir/opd/valid_curve.json`, and `opd.keep_best`
-keeps its best point's model (step 0 = the student before distillation) instead of the last.
+keeps the best point's model among those that beat step 0 (the student before distillation) by 2
+paired standard errors, else step 0's (`loop.Validation`), instead of the last.
 Metrics per step: loss (= KL to the teacher), top1_agreement, reward mean/std, valid_rate,
 overlong_rate, mean_nfe, mean_response_tokens, replay_exact, rollout_time_s, update_time_s.
 """

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -51,11 +52,30 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 @dataclasses.dataclass(frozen=True)
 class Validation:
   """Validation during `train`: `fn(params) -> {"valid_recall@1": x, ...}` runs before the first
-  step, every `every` steps and at the last (never when `every` <= 0); `keep_best` returns the
-  params of the curve's best point (see `train`)."""
+  step, every `every` steps and at the last (never when `every` <= 0).
+
+  `keep_best` returns the params of the best point that beats the run's first point (its starting
+  params) by more than `margin_se` standard errors of the paired per-user difference, and the
+  starting params when no point does: a curve measured on a few hundred users moves by noise, and
+  the strict maximum of a noisy curve picks a trained step even when every step is worse. `fn`
+  then also returns `valid_hits`, each validation user's Recall@1 hit (0/1) in a fixed order (the
+  same users at every point), which pairs the points.
+  """
   fn: Callable[[Any], dict]
   every: int = 0
   keep_best: bool = False
+  margin_se: float = 2.0
+
+
+def paired_gain(hits, start_hits) -> tuple[float, float]:
+  """(mean paired difference, its standard error) of per-user 0/1 hits against the same users'
+  `start_hits`."""
+  d = np.asarray(hits, np.float64) - np.asarray(start_hits, np.float64)
+  if d.ndim != 1 or len(d) != len(start_hits) or len(d) == 0:
+    raise ValueError(f"validation hits of {len(hits)} users do not pair with the first point's "
+                     f"{len(start_hits)}")
+  se = float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else 0.0
+  return float(d.mean()), se
 
 
 def cast_floats(tree, dtype):
@@ -285,21 +305,34 @@ def _resume_data(data, data_state: dict, start: int, workdir: str) -> None:
 
 
 class _Validator:
-  """Runs a `Validation`, keeps its curve and (keep_best) a device copy of the best params."""
+  """Runs a `Validation`, keeps its curve and (keep_best) a device copy of the kept params: the
+  first point's, replaced by a later point's when it beats the first by the margin."""
 
   def __init__(self, validation: Validation):
     self.v = validation
-    self.curve, self.best = [], None   # best: ((recall, valid rate), step, params copy)
+    self.curve, self.best = [], None   # best: ((recall, valid rate) or None at the start, step, params copy)
+    self.start_hits = None
 
   def due(self, step: int, total: int) -> bool:
     return self.v.every > 0 and (step % self.v.every == 0 or step == total)
 
   def run(self, params, step: int) -> dict:
-    vm = {n: float(v) for n, v in self.v.fn(params).items()}
+    out = dict(self.v.fn(params))
+    hits = out.pop("valid_hits", None)
+    vm = {n: float(v) for n, v in out.items()}
+    if self.v.keep_best:
+      if hits is None:
+        raise ValueError("Validation.keep_best needs fn to return valid_hits (per-user 0/1 hits)")
+      if self.start_hits is None:   # the first point: the starting params, kept unless beaten
+        self.start_hits = list(hits)
+        self.best = (None, step, jax.tree_util.tree_map(jnp.copy, params))
+      else:
+        gain, se = paired_gain(hits, self.start_hits)
+        vm.update(valid_gain_over_start=gain, valid_gain_se=se)
+        key = (vm["valid_recall@1"], vm.get("valid_valid_rate", 0.0))
+        if gain > self.v.margin_se * se and gain > 0 and (self.best[0] is None or key > self.best[0]):
+          self.best = (key, step, jax.tree_util.tree_map(jnp.copy, params))
     self.curve.append({"step": step, **vm})
-    key = (vm["valid_recall@1"], vm.get("valid_valid_rate", 0.0))
-    if self.v.keep_best and (self.best is None or key > self.best[0]):
-      self.best = (key, step, jax.tree_util.tree_map(jnp.copy, params))
     return vm
 
   def finish(self, state: dict) -> dict:
@@ -321,11 +354,11 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
   frozen)`; it is neither trained nor checkpointed.
   `validation` runs `validation.fn(params) -> {"valid_recall@1": x, ...}` before the first step,
   every `validation.every` steps and at the last: its numbers join that step's metrics and the
-  returned state's `valid_curve`. `keep_best` returns the params of the curve's best point: the
-  highest `valid_recall@1`, ties broken by the higher `valid_valid_rate` (an invalid answer falls
-  back to the retriever's order, so of two equal rankers the one that answers validly more often
-  is kept), then by the earliest step; it holds one more copy of the params on the devices, and a
-  resumed run's curve starts at the resumed step. With `validation` the state also has
+  returned state's `valid_curve`. `keep_best` returns the params of the best point among those
+  that beat the curve's first point by `validation.margin_se` paired standard errors (the highest
+  `valid_recall@1`, ties broken by the higher `valid_valid_rate`, then the earliest step), else
+  the first point's (`Validation`); it holds one more copy of the params on the devices, and a
+  resumed run's curve, and so the point it must beat, starts at the resumed step. With `validation` the state also has
   `best_step` (None unless keep_best).
   Returns the final train-state dict (sharded jax arrays).
   """
