@@ -59,6 +59,8 @@ def module(name: str):
   """The module of stage `name` (imported now); clear errors for unknown or absent ones."""
   if name not in STAGES:
     raise ValueError(f"config.stage {name!r} is not a stage; known: {', '.join(STAGES)}")
+  if name == "pipeline":   # it sits above the stages: stages/pipeline.py runs them, never the reverse
+    raise ValueError("'pipeline' runs the stages (stages/pipeline.py `run`); it has no stage module")
   try:
     return importlib.import_module(STAGES[name])
   except ModuleNotFoundError as e:
