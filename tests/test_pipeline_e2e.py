@@ -112,3 +112,26 @@ def test_toy_pipeline_end_to_end(smoke_workdir):
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   for split_dir in ("ar-valid", "cft_opd_rl-valid"):
     assert os.path.exists(os.path.join(workdir, "eval", split_dir, "metrics.json"))
+
+
+def test_natural_prompt_pool_leaves_out_inserted_targets(smoke_workdir):
+  """`rl.prompt_pool='natural'`: the RL stages' prompts are the train users whose target the
+  retriever listed itself; the users whose target `task.insert_target` put in the list are left out."""
+  import importlib.util
+  import numpy as np
+  from dgr2_jax.stages import on_policy
+  from dgr2_jax.task import traces as traces_lib
+  spec = importlib.util.spec_from_file_location("demo_cfg", os.path.join(REPO, "configs", "demo.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("smoke")
+  every = on_policy.task_setup(config, smoke_workdir)
+  natural = on_policy.task_setup(config, smoke_workdir, pool="natural")
+  inserted = {r["example_id"] for r in traces_lib.read_jsonl(os.path.join(smoke_workdir, "traces", "train.jsonl"))
+              if r["inserted"]}
+  ids, kept = set(every["prompts"]["example_id"].tolist()), natural["prompts"]["example_id"].tolist()
+  assert ids & inserted and ids - inserted   # the smoke run inserts some targets, not all
+  assert sorted(kept) == sorted(ids - inserted) and len(kept) == len(set(kept))
+  assert natural["counts"]["pool"] == {"natural": len(kept), "listed": len(ids)}
+  order = [int(np.flatnonzero(every["prompts"]["example_id"] == i)[0]) for i in kept]
+  assert order == sorted(order)   # the pool keeps the traces' order

@@ -28,6 +28,7 @@ from dgr2_jax.task import answer as answer_lib
 from dgr2_jax.task import metrics as metrics_lib
 from dgr2_jax.task import pipeline
 from dgr2_jax.task import tokenizer as tok_lib
+from dgr2_jax.task import traces as traces_lib
 from dgr2_jax.train import grpo, loop, rollouts
 from dgr2_jax.train.config import section  # noqa: F401 (the on-policy stages and benchmarks read it here)
 
@@ -40,15 +41,24 @@ def source_dir(config, workdir: str, stage: str, sc) -> str:
   return sc.init_from or common.previous_model_dir(config, workdir, stage)
 
 
-def task_setup(config, workdir: str, split: str = "train") -> dict:
-  """Tokenizer, token ids, SIDs and the split's prompts (rows whose target is among the candidates)."""
+def task_setup(config, workdir: str, split: str = "train", pool: str = "all") -> dict:
+  """Tokenizer, token ids, SIDs and the split's prompts: rows whose target is among the candidates,
+  and with `pool` 'natural' only those whose target the retriever listed itself (not inserted by
+  `task.insert_target`; `counts["pool"]` says how many of how many)."""
   tok_dir = traces_stage.tokenizer_dir(config, workdir)
   tokenizer = tok_lib.load_tokenizer(tok_dir)
   arrays, counts = traces_stage.load_split_arrays(config, workdir, split, tokenizer=tokenizer,
                                                  rejected=True)
   keep = arrays["target_rank_in_candidates"] >= 1
+  if pool == "natural":
+    inserted = [r["example_id"] for r in traces_lib.read_jsonl(os.path.join(workdir, "traces", f"{split}.jsonl"))
+                if r.get("inserted", False)]
+    listed = int(keep.sum())
+    keep &= ~np.isin(arrays["example_id"], inserted)
+    counts = dict(counts, pool={"natural": int(keep.sum()), "listed": listed})
   if not keep.any():
-    raise ValueError(f"{workdir}/traces/{split}.jsonl: no {split} example has its target among the candidates")
+    raise ValueError(f"{workdir}/traces/{split}.jsonl: no {split} example has its target among the candidates"
+                     + (" as the retriever listed it (prompt_pool 'natural')" if pool == "natural" else ""))
   prompts = {k: arrays[k][keep] for k in PROMPT_KEYS}
   _, sids = traces_stage.load_items_sids(workdir)
   return dict(tok_dir=tok_dir, tokenizer=tokenizer, tids=tok_lib.token_ids(tokenizer), sids=sids,

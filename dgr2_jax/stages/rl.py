@@ -79,7 +79,7 @@ def train_grpo(config, workdir: str, build: contract.Build, rc, src: str) -> str
   section) -> `workdir/<stage>/` (`build`'s); `config.decode` drives the rollouts."""
   stage = build.stage
   train_dir = build.train_dir()
-  task = on_policy.task_setup(config, workdir)
+  task = on_policy.task_setup(config, workdir, pool=str(rc.get("prompt_pool", "all")))
   mc, params = on_policy.load_policy(config, src)
   dc = on_policy.rollout_decode_config(config, task["tids"], mc, rc.temperature)
   bs, mask_id, g = dc.block_size, dc.mask_token_id, int(rc.group_size)

@@ -36,6 +36,9 @@ from dgr2_jax.task import metrics as metrics_lib
 from dgr2_jax.train import replay
 
 
+PROMPT_POOLS = ("all", "natural")
+
+
 def rl_config() -> ml_collections.ConfigDict:
   """Trajectory-level GRPO against the re-ranking reward (defaults: the paper's Appendix B/C)."""
   c = ml_collections.ConfigDict()
@@ -49,6 +52,10 @@ def rl_config() -> ml_collections.ConfigDict:
   c.clip_eps_high = 0.2        # eps_high (DAPO clip-higher when > clip_eps)
   c.kl_coef = 0.0              # > 0: k3 KL to the starting (reference) model
   c.temperature = 1.0          # rollout sampling temperature
+  # Which train users' prompts: 'all' (whose target is listed, task.insert_target's inserted ones
+  # included) | 'natural' (only lists where the retriever found the target itself, as on validation
+  # and test; an inserted target is one the prompt's evidence rarely points to).
+  c.prompt_pool = "all"
   c.grad_accum_steps = 1  # micro-batches per optimiser step
   c.replay_max_segments = 8    # replay canvases per block: as opd.opd_config() explains
   c.rollout_batch_size = 0     # rows decoded per call (0 = all at once): as opd.opd_config() explains
@@ -170,6 +177,7 @@ def validate(config, runs: set, section: str = "rl") -> None:
   for f in ("clip_eps", "clip_eps_high"):
     if not 0.0 < float(c[section][f]) < 1.0:
       checks.fail(f"{section}.{f}", f"must be in (0, 1), got {c[section][f]}")
+  checks.one_of(c, section, "prompt_pool", PROMPT_POOLS)
   if not checks.is_int(c[section].get("rollout_batch_size", 0), 0):
     checks.fail(f"{section}.rollout_batch_size", f"must be an int >= 0 (0 = all rollouts at once), got "
                 f"{c[section].rollout_batch_size!r}")
