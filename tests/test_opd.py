@@ -258,6 +258,37 @@ def test_on_policy_run_leaves_the_callers_params_intact(setup, tmp_path):
   assert np.isfinite(float(loss_fn(params, batch, jax.random.PRNGKey(0))[0]))
 
 
+def test_a_batch_without_loss_tokens_makes_no_update(setup, tmp_path):
+  """A step whose batch has no loss token (every GRPO group without reward variance) leaves the
+  params and the optimizer state as they were, instead of moving them on Adam's momentum; the
+  steps around it train."""
+  cfg, teacher, _, toks, lens = setup
+  bcfg = cfg.as_block_diffusion(4, 63)
+  prompts = {"prompt_ids": toks, "prompt_len": lens}
+  seen = []
+
+  def make_batch(p, pr, key):
+    seen.append(jax.tree_util.tree_map(np.asarray, p))
+    roll = rollouts.sample(bcfg, p, pr["prompt_ids"], pr["prompt_len"], _dc(4, 0.5), key, G)
+    batch = _batch(cfg, teacher, roll, rollouts.replay_inputs(roll, 4, 63))
+    if len(seen) == 2:   # step 2: nothing to learn from
+      batch["loss_mask"] = np.zeros_like(batch["loss_mask"])
+    return batch, {}
+
+  loss_fn = lambda p, b, rng: opd.opd_loss(bcfg, p, b, rng, block_size=4)
+  params = qwen3.init_params(cfg, jax.random.PRNGKey(5))
+  state = rollouts.train_on_policy(_loop_config(steps=3), str(tmp_path), params=params,
+                                   loss_fn=loss_fn, make_batch=make_batch,
+                                   prompt_iter=iter(lambda: dict(prompts), None))
+  first = lambda tree: jax.tree_util.tree_leaves(tree)[0]
+  np.testing.assert_array_equal(first(seen[1]), first(seen[2]))   # step 2 made no update
+  assert not np.allclose(first(seen[0]), first(seen[1]))          # step 1 did
+  assert not np.allclose(first(seen[2]), np.asarray(first(state["params"])))   # and step 3
+  recs = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
+  assert [r["update_skipped"] for r in recs] == [0.0, 1.0, 0.0] and "loss" not in recs[1]
+  assert int(state["step"]) == 2   # the state counts updates: steps 1 and 3
+
+
 START_HITS = [1] * 4 + [0] * 16                            # 20 validation users, Recall@1 0.2
 CLEAR_GAIN = [1] * 10 + [0] * 10                           # +6 users, none lost: +0.3, SE 0.105
 NOISE_GAIN = [1, 1, 1, 0] + [1] * 3 + [0] * 13             # +3 users, -1: +0.1, SE 0.1 (< 2 SE)

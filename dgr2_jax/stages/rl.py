@@ -11,8 +11,10 @@ rewarded, group advantages computed (zero-variance groups dropped: their tokens 
 and one optimizer step of `grpo.grpo_loss` is taken on the replayed log-probs (one update per
 batch, so the PPO ratio is 1 at the start of every step unless train.grad_accum_steps splits it;
 the clip matters once updates reuse rollouts). With `rl.kl_coef > 0` a frozen copy of the starting
-params supplies `ref_logp`. Metrics: loss, policy_loss, clip_fraction, ratio_mean, kl_ref,
-reward mean/std, valid_rate, overlong_rate, groups_dropped, mean_nfe, rollout/update time.
+params supplies `ref_logp`. A step in which no group has reward variance (on any process) makes
+no update (`rollouts.on_policy_batches`). Metrics: loss, policy_loss, clip_fraction, ratio_mean,
+kl_ref, reward mean/std, valid_rate, overlong_rate, groups_dropped (1 - the informative share),
+update_skipped, mean_nfe, rollout/update time.
 `grpo_stage` declares both this stage and `teacher_rl` (the AR teacher's RL); `train_grpo` trains.
 """
 

@@ -204,7 +204,7 @@ def iter_state(it):
 def stop_if_not_finite(m: dict, step: int, total: int, desc: str, writer, manager, last_saved) -> None:
   """NaN/Inf guard shared by the training loops: records the bad step's metrics, lets pending
   checkpoint writes finish, and stops without saving, so the last good checkpoint stays latest."""
-  if math.isfinite(m["loss"]):
+  if math.isfinite(m.get("loss", 0.0)):   # a skipped update has no loss
     return
   writer.write(step, m)
   manager.wait_until_finished()
@@ -218,7 +218,8 @@ def stop_if_not_finite(m: dict, step: int, total: int, desc: str, writer, manage
 class StepBatches:
   """Where `train` gets its batches: `make(params, step) -> (batch, host_metrics)` builds step
   `step`'s batch, possibly from the CURRENT `params` (on-policy rollouts); `host_metrics` (floats,
-  the same on every process) are logged with the step. `data` is the iterator behind it, whose
+  the same on every process) are logged with the step. A batch of None (on every process alike)
+  skips the step's update: the params and optimizer state stay as they are. `data` is the iterator behind it, whose
   position is checkpointed and restored when it has `get_state` / `set_state`; None: no position."""
   make: Callable[[Any, int], tuple[dict, dict]]
   data: Any = None
@@ -394,8 +395,10 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
       except StopIteration:
         raise ValueError(f"the batch iterator ended before step {s} of train.total_steps={total}") from None
       t1 = time.perf_counter()
-      state, m = step_fn(state, mesh_lib.shard_batch(batch, su.batch_sharding, gb))
-      m = {n: float(v) for n, v in jax.device_get(m).items()}
+      m = {}
+      if batch is not None:
+        state, m = step_fn(state, mesh_lib.shard_batch(batch, su.batch_sharding, gb))
+        m = {n: float(v) for n, v in jax.device_get(m).items()}
       m.update(host_m)
       m["update_time_s"] = time.perf_counter() - t1
       t_steps += 1

@@ -165,16 +165,22 @@ def on_policy_batches(make_batch: Callable[[dict, dict, jax.Array], tuple[dict, 
   """`loop.train`'s step-batch source for on-policy stages: step s draws the next prompts from
   `prompt_iter` and calls `make_batch(params, prompts, fold_in(PRNGKey(seed + 1), s))` with the
   current params. Its host metrics (this process's rows) are averaged over the processes and
-  logged with `rollout_time_s`, the seconds the batch took to make."""
+  logged with `rollout_time_s`, the seconds the batch took to make.
+
+  A batch with no loss token on any process (`loss_mask` all 0: every GRPO group without reward
+  variance) makes no update (`update_skipped` 1): its gradient is zero, and Adam would still move
+  the params on its momentum."""
   rollout_root = jax.random.PRNGKey(int(seed) + 1)
 
   def make(params, step: int):
     t0 = time.perf_counter()
     batch, host_m = make_batch(params, next(prompt_iter), jax.random.fold_in(rollout_root, step))
-    if host_m:
-      host_m = {n: float(np.mean(v)) for n, v in zip(host_m, zip(*multihost.allgather(
-          "rollout_metrics", [float(x) for x in host_m.values()])))}
-    return batch, dict(host_m, rollout_time_s=time.perf_counter() - t0)
+    rows = int(np.asarray(batch["loss_mask"]).any(-1).sum()) if "loss_mask" in batch else 1
+    values = multihost.allgather("rollout_metrics", [float(x) for x in host_m.values()] + [rows])
+    host_m = {n: float(np.mean(v)) for n, v in zip(host_m, zip(*values))}
+    skip = sum(v[-1] for v in values) == 0
+    return None if skip else batch, dict(host_m, update_skipped=float(skip),
+                                         rollout_time_s=time.perf_counter() - t0)
 
   return loop.StepBatches(make, prompt_iter)
 
