@@ -146,6 +146,13 @@ def test_workdir_required_and_unknown_stage_module(tmp_path, monkeypatch):
   with pytest.raises(NotImplementedError, match=r"\['sids'\] are not available"):
     main_lib.run(c, str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
+  # A stage asked for alone, with an optional stage this checkout lacks dropped from the pipeline:
+  # its prerequisites skip the absent one instead of importing it.
+  from dgr2_jax.stages import registry
+  c = load_config("demo.py")
+  c.pipeline.stages = tuple(s for s in c.pipeline.stages if s != "teacher_rl")
+  monkeypatch.setitem(registry.STAGES, "teacher_rl", "dgr2_jax.stages._absent_stage")
+  assert registry.prerequisites(c, "cft") == ["data", "sids", "retriever", "traces", "sft", "convert"]
 
 
 def test_known_values_match_the_packages():

@@ -289,6 +289,24 @@ def test_a_batch_without_loss_tokens_makes_no_update(setup, tmp_path):
   assert int(state["step"]) == 2   # the state counts updates: steps 1 and 3
 
 
+def test_a_stage_without_a_validator_trains_without_a_curve(setup, tmp_path):
+  """`Validation(None, ...)` (an on-policy stage whose valid_prompts is 0): no validation runs and
+  the state has an empty curve and no best step, keep_best or not."""
+  cfg, teacher, other, toks, lens = setup
+  bcfg = cfg.as_block_diffusion(4, 63)
+  prompts = {"prompt_ids": toks, "prompt_len": lens}
+
+  def make_batch(p, pr, key):
+    roll = rollouts.sample(bcfg, p, pr["prompt_ids"], pr["prompt_len"], _dc(4, 0.5), key, G)
+    return _batch(cfg, teacher, roll, rollouts.replay_inputs(roll, 4, 63)), {}
+
+  loss_fn = lambda p, b, rng: opd.opd_loss(bcfg, p, b, rng, block_size=4)
+  state = rollouts.train_on_policy(_loop_config(steps=1), str(tmp_path), params=other, loss_fn=loss_fn,
+                                   make_batch=make_batch, prompt_iter=iter(lambda: dict(prompts), None),
+                                   validation=loop.Validation(None, 1, keep_best=True))
+  assert state["valid_curve"] == [] and state["best_step"] is None and int(state["step"]) == 1
+
+
 START_HITS = [1] * 4 + [0] * 16                            # 20 validation users, Recall@1 0.2
 CLEAR_GAIN = [1] * 10 + [0] * 10                           # +6 users, none lost: +0.3, SE 0.105
 NOISE_GAIN = [1, 1, 1, 0] + [1] * 3 + [0] * 13             # +3 users, -1: +0.1, SE 0.1 (< 2 SE)

@@ -246,10 +246,15 @@ def check_batch_sizes(config) -> None:
                               config.get("cft", {}).get("batch_size", 0) or tc.batch_size)):
     if stage in on:
       mesh_lib.check_batch_size(int(size), tc.mesh, devices, processes, field, int(tc.grad_accum_steps))
-  for sec in ("teacher_rl", "opd", "rl"):
-    if sec in on and sec in config and int(config[sec].prompts_per_step) % processes:
-      raise ValueError(f"{sec}.prompts_per_step ({config[sec].prompts_per_step}) must be divisible by the "
-                       f"process count ({processes})")
+  for sec, per in (("teacher_rl", "group_size"), ("opd", "rollouts_per_prompt"), ("rl", "group_size")):
+    if sec in on and sec in config:
+      s = config[sec]
+      if int(s.prompts_per_step) % processes:
+        raise ValueError(f"{sec}.prompts_per_step ({s.prompts_per_step}) must be divisible by the "
+                         f"process count ({processes})")
+      # The on-policy batch (its rows) is sharded like a supervised one (loop.train checks it again).
+      mesh_lib.check_batch_size(int(s.prompts_per_step) * int(s[per]), tc.mesh, devices, processes,
+                                f"{sec}.prompts_per_step x {sec}.{per}", int(s.get("grad_accum_steps", 1)))
 
 
 def run(config, workdir: str) -> dict:

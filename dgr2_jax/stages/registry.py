@@ -96,6 +96,8 @@ def host_stages() -> tuple:
 def _reads(config, name: str) -> set:
   """The stages `name` reads directly: its declared reads, and for a chain stage without
   `<name>.init_from` every model stage before it (its starting model, the AR teacher)."""
+  if importlib.util.find_spec(STAGES[name]) is None:   # an optional stage this checkout lacks reads nothing
+    return set()
   decl = stage(name)
   out = set(decl.reads)
   if decl.chain and not (config.get(name) or {}).get("init_from"):

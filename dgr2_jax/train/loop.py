@@ -61,7 +61,7 @@ class Validation:
   then also returns `valid_hits`, each validation user's Recall@1 hit (0/1) in a fixed order (the
   same users at every point), which pairs the points.
   """
-  fn: Callable[[Any], dict]
+  fn: Callable[[Any], dict] | None   # None: no validation (a stage whose valid_prompts is 0)
   every: int = 0
   keep_best: bool = False
   margin_se: float = 2.0
@@ -314,8 +314,13 @@ class _Validator:
     self.curve, self.best = [], None   # best: ((recall, valid rate) or None at the start, step, params copy)
     self.start_hits = None
 
+  @property
+  def active(self) -> bool:
+    """A stage without a validator (valid_prompts 0) passes `Validation(None, ...)`: no curve."""
+    return self.v.fn is not None and self.v.every > 0
+
   def due(self, step: int, total: int) -> bool:
-    return self.v.every > 0 and (step % self.v.every == 0 or step == total)
+    return self.active and (step % self.v.every == 0 or step == total)
 
   def run(self, params, step: int) -> dict:
     out = dict(self.v.fn(params))
@@ -387,7 +392,7 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
   last_saved = start if start else None
   t0, t_steps = time.perf_counter(), 0
   try:
-    if val is not None and validation.every > 0:
+    if val is not None and val.active:   # the first point: the starting params
       logging.info("%s: step %d validation %s", desc, start, val.run(state["params"], start))
     for s in range(start + 1, total + 1):
       try:
