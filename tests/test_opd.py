@@ -182,6 +182,12 @@ def test_opd_updates_lower_kl_to_teacher(setup):
   assert after < 0.8 * before, (before, after)
 
 
+def _rollout_batch(cfg, teacher, p, pr, key):
+  """(OPD batch, rollouts) of G rollouts per prompt of `pr` from params `p` (block 4, tau 0.5)."""
+  roll = rollouts.sample(cfg.as_block_diffusion(4, 63), p, pr["prompt_ids"], pr["prompt_len"], _dc(4, 0.5), key, G)
+  return _batch(cfg, teacher, roll, rollouts.replay_inputs(roll, 4, 63)), roll
+
+
 def _loop_config(steps: int):
   """The on-policy loop's config: 3 prompts x G rows, constant lr, no tensorboard/async saves."""
   config = train_config_lib.ml_collections.ConfigDict({"seed": 0, "train": train_config_lib.train_config()})
@@ -213,8 +219,8 @@ def test_on_policy_loop_logs_host_metrics_and_resumes(setup, tmp_path):
 
   def make_batch(p, pr, key):
     calls.append(np.asarray(jax.tree_util.tree_leaves(p)[0]).copy())
-    roll = rollouts.sample(bcfg, p, pr["prompt_ids"], pr["prompt_len"], _dc(4, 0.5), key, G)
-    return _batch(cfg, teacher, roll, rollouts.replay_inputs(roll, 4, 63)), {"mean_nfe": roll["nfe"].mean()}
+    batch, roll = _rollout_batch(cfg, teacher, p, pr, key)
+    return batch, {"mean_nfe": roll["nfe"].mean()}
 
   loss_fn = lambda p, b, rng: opd.opd_loss(bcfg, p, b, rng, block_size=4)
   kw = dict(params=other, loss_fn=loss_fn, make_batch=make_batch, desc="opd-test")
@@ -243,8 +249,7 @@ def test_on_policy_run_leaves_the_callers_params_intact(setup, tmp_path):
   prompts = {"prompt_ids": toks, "prompt_len": lens}
 
   def make_batch(p, pr, key):
-    roll = rollouts.sample(bcfg, p, pr["prompt_ids"], pr["prompt_len"], _dc(4, 0.5), key, G)
-    return _batch(cfg, teacher, roll, rollouts.replay_inputs(roll, 4, 63)), {}
+    return _rollout_batch(cfg, teacher, p, pr, key)[0], {}
 
   loss_fn = lambda p, b, rng: opd.opd_loss(bcfg, p, b, rng, block_size=4)
   state = rollouts.train_on_policy(_loop_config(steps=2), str(tmp_path), params=params, loss_fn=loss_fn,
@@ -269,8 +274,7 @@ def test_a_batch_without_loss_tokens_makes_no_update(setup, tmp_path):
 
   def make_batch(p, pr, key):
     seen.append(jax.tree_util.tree_map(np.asarray, p))
-    roll = rollouts.sample(bcfg, p, pr["prompt_ids"], pr["prompt_len"], _dc(4, 0.5), key, G)
-    batch = _batch(cfg, teacher, roll, rollouts.replay_inputs(roll, 4, 63))
+    batch, _ = _rollout_batch(cfg, teacher, p, pr, key)
     if len(seen) == 2:   # step 2: nothing to learn from
       batch["loss_mask"] = np.zeros_like(batch["loss_mask"])
     return batch, {}
@@ -297,8 +301,7 @@ def test_a_stage_without_a_validator_trains_without_a_curve(setup, tmp_path):
   prompts = {"prompt_ids": toks, "prompt_len": lens}
 
   def make_batch(p, pr, key):
-    roll = rollouts.sample(bcfg, p, pr["prompt_ids"], pr["prompt_len"], _dc(4, 0.5), key, G)
-    return _batch(cfg, teacher, roll, rollouts.replay_inputs(roll, 4, 63)), {}
+    return _rollout_batch(cfg, teacher, p, pr, key)[0], {}
 
   loss_fn = lambda p, b, rng: opd.opd_loss(bcfg, p, b, rng, block_size=4)
   state = rollouts.train_on_policy(_loop_config(steps=1), str(tmp_path), params=other, loss_fn=loss_fn,
@@ -326,8 +329,7 @@ def test_on_policy_validation_curve_keeps_the_best_point(setup, tmp_path, later,
   prompts = {"prompt_ids": toks, "prompt_len": lens}
 
   def make_batch(p, pr, key):
-    roll = rollouts.sample(bcfg, p, pr["prompt_ids"], pr["prompt_len"], _dc(4, 0.5), key, G)
-    return _batch(cfg, teacher, roll, rollouts.replay_inputs(roll, 4, 63)), {}
+    return _rollout_batch(cfg, teacher, p, pr, key)[0], {}
 
   seen = []
   scores = iter(zip([START_HITS, later, later], rates))   # steps 0, 2, 3 (every 2 and the last)

@@ -216,12 +216,6 @@ def _hash(config, workdir: str, upstream: dict) -> str:
                             workdir=workdir)
 
 
-def _fresh(config, workdir: str, out: str) -> dict:
-  del config, workdir
-  with open(os.path.join(out, "frontier.json")) as f:
-    return json.load(f)
-
-
 def _build(config, workdir: str, build: contract.Build) -> dict:
   bc = config.bench
   final, ar, _ = _models(config, workdir)
@@ -266,7 +260,7 @@ def _build(config, workdir: str, build: contract.Build) -> dict:
 
 # Reads the traces and the stages they are built from (its models: bench.*model_dir or the chain's).
 STAGE = contract.Stage(name="bench", reads=traces_stage.UPSTREAM + ("traces",), hashed=_hash, build=_build,
-                       fresh=_fresh)
+                       fresh=contract.result_json("frontier.json"))
 
 
 def run(config, workdir: str) -> dict:

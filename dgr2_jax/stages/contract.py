@@ -87,6 +87,15 @@ class Build:
     return train_dir
 
 
+def result_json(name: str) -> Callable[..., Any]:
+  """A `Stage.fresh` returning the JSON file `name` of the stage's output (what `build` returned)."""
+  def fresh(config, workdir: str, out: str) -> Any:
+    del config, workdir
+    with open(os.path.join(out, name)) as f:
+      return json.load(f)
+  return fresh
+
+
 def upstream(workdir: str, stages) -> dict:
   """{stage: its DONE.json config hash, None when not built}."""
   return {s: (common.read_done(common.stage_dir(workdir, s)) or {}).get("config_hash") for s in stages}

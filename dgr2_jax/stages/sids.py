@@ -7,7 +7,6 @@ index), `tokens.txt` (every SID token, for the conversion tool's --add_tokens), 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -28,12 +27,6 @@ def _hash(config, workdir: str, upstream: dict) -> str:
       config.sids.embeddings_npy):
     parts.append(fileio.file_digest(config.sids.embeddings_npy))
   return common.config_hash(*parts, workdir=workdir)
-
-
-def _fresh(config, workdir: str, out: str) -> dict:
-  del config, workdir
-  with open(os.path.join(out, "stats.json")) as f:
-    return json.load(f)
 
 
 def _build(config, workdir: str, build: contract.Build) -> dict:
@@ -70,8 +63,8 @@ def _build(config, workdir: str, build: contract.Build) -> dict:
   return st
 
 
-STAGE = contract.Stage(name="sids", reads=("data",), hashed=_hash, build=_build, fresh=_fresh,
-                       host_only=True)
+STAGE = contract.Stage(name="sids", reads=("data",), hashed=_hash, build=_build,
+                       fresh=contract.result_json("stats.json"), host_only=True)
 
 
 def run(config, workdir: str) -> dict:
