@@ -318,7 +318,7 @@ NOISE_GAIN = [1, 1, 1, 0] + [1] * 3 + [0] * 13             # +3 users, -1: +0.1,
 @pytest.mark.parametrize("later,rates,best", [(CLEAR_GAIN, (1.0, 0.8, 0.8), 2), (CLEAR_GAIN, (1.0, 0.8, 0.9), 3),
                                               (NOISE_GAIN, (1.0, 0.8, 0.9), 0)])
 def test_on_policy_validation_curve_keeps_the_best_point(setup, tmp_path, later, rates, best):
-  """`validate` runs before step 1, every `validate_every` steps and at the last; `keep_best`
+  """`validate` runs before step 1, every `Validation.every` steps and at the last; `keep_best`
   returns the params of the best point (ties: the higher valid rate, then the earliest) among those
   that beat the first point by 2 paired standard errors, else the first point's."""
   cfg, teacher, _, toks, lens = setup

@@ -219,8 +219,9 @@ class StepBatches:
   """Where `train` gets its batches: `make(params, step) -> (batch, host_metrics)` builds step
   `step`'s batch, possibly from the CURRENT `params` (on-policy rollouts); `host_metrics` (floats,
   the same on every process) are logged with the step. A batch of None (on every process alike)
-  skips the step's update: the params and optimizer state stay as they are. `data` is the iterator behind it, whose
-  position is checkpointed and restored when it has `get_state` / `set_state`; None: no position."""
+  skips the step's update: the params and optimizer state stay as they are. `data` is the iterator
+  behind it, whose position is checkpointed and restored when it has `get_state` / `set_state`;
+  None: no position."""
   make: Callable[[Any, int], tuple[dict, dict]]
   data: Any = None
 
@@ -294,8 +295,7 @@ def _resume_data(data, data_state: dict, start: int, workdir: str) -> None:
   A saved position the iterator cannot take is an error: carrying on would feed the resumed run
   other batches (other prompts, on-policy) than an uninterrupted run sees, silently breaking exact
   resumption. A checkpoint without a position for an iterator that has one (written by a run whose
-  iterator had none) only warns: the data restarts and nothing that was saved is thrown away. Both
-  loops now do this (the on-policy one used to ignore both cases without a word)."""
+  iterator had none) only warns: the data restarts and nothing that was saved is thrown away."""
   if data_state:
     if not hasattr(data, "set_state"):
       raise ValueError(f"checkpoint step {start} in {workdir} holds a data-iterator state but the "
@@ -364,8 +364,8 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
   that beat the curve's first point by `validation.margin_se` paired standard errors (the highest
   `valid_recall@1`, ties broken by the higher `valid_valid_rate`, then the earliest step), else
   the first point's (`Validation`); it holds one more copy of the params on the devices, and a
-  resumed run's curve, and so the point it must beat, starts at the resumed step. With `validation` the state also has
-  `best_step` (None unless keep_best).
+  resumed run's curve, and so the point it must beat, starts at the resumed step. With
+  `validation` the state also has `best_step` (None unless keep_best).
   Returns the final train-state dict (sharded jax arrays).
   """
   if (batch_iter is None) == (step_batches is None):
