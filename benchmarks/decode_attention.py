@@ -13,24 +13,28 @@ values of every row once, q and the output), the bandwidth that time gives, and 
 difference of its output from the dense route's (the check that the compiled kernel on a GPU
 equals 'xla', as interpret mode does on CPU). On a GPU the
 default routes are 'splitkey', 'cudnn' and 'xla'; elsewhere 'xla' and 'blockwise' ('splitkey'
-off the GPU runs in Pallas interpret mode: a correctness tool, not a speed).
+off the GPU runs in Pallas interpret mode: a correctness tool, not a speed). `--json_out=FILE`
+writes {"meta": device, versions, commit and the case's settings, "rows": one per table line}.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dgr2_jax.model import attention, decode_attention, masks  # noqa: E402
+import run_meta  # noqa: E402
 
 SHAPES = {"8b": (32, 8, 128), "0.6b": (16, 8, 128), "tiny": (4, 2, 16)}   # q heads, kv heads, head dim
 BLOCK = 32
@@ -74,6 +78,7 @@ def main():
   ap.add_argument("--splits", type=int, default=0, help="key splits of 'splitkey' (0 = the rule)")
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--repeats", type=int, default=20 if gpu else 3)
+  ap.add_argument("--json_out", default="", help="also write the rows as JSON here")
   args = ap.parse_args()
   if not gpu:
     attention.DPA_IMPLEMENTATION = None    # 'cudnn''s calls through XLA's implementation
@@ -85,6 +90,7 @@ def main():
         f"prompt {args.prompt_len} + response {args.response_len} slots")
   print("\n| batch | window | route | key splits | ms | min bytes MB | GB/s | max abs diff vs xla |")
   print("|---|---|---|---|---|---|---|---|")
+  results = []
   for b in map(int, args.batch_sizes.split(",")):
     for w in map(int, args.widths.split(",")):
       (q, k, v), rng, visible = case(b, w, heads, kv, d, args.prompt_len, args.response_len, dtype)
@@ -101,6 +107,13 @@ def main():
         print(f"| {b} | {w} | {route} | {splits} | {sec * 1e3:.3f} | {need / 1e6:.1f} | {need / sec / 1e9:.1f} | "
               f"{diff:.2e} |",
               flush=True)
+        results.append(dict(batch=b, window=w, route=route, key_splits=splits, ms=sec * 1e3, min_bytes_mb=need / 1e6,
+                         gbps=need / sec / 1e9, max_abs_diff_vs_xla=diff))
+  if args.json_out:
+    meta = dict(run_meta.meta(), shape=args.shape, heads=heads, kv_heads=kv, head_dim=d, dtype=args.dtype,
+                prompt_len=args.prompt_len, response_len=args.response_len, repeats=args.repeats)
+    with open(args.json_out, "w") as f:
+      json.dump({"meta": meta, "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":

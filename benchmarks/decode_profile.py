@@ -21,15 +21,35 @@ measured loop; and the ceiling, a diffusion loop that cost nothing at all (the f
 `--before=REV` also profiles the decoder as it was at git revision REV (its decode/sampler.py and
 the 5-d einsum attention it used), loaded side by side in this process: the same model, prompts
 and machine, so the two columns compare.
+
+Without a workdir, at a model shape with random weights (no demo needed; the GPU run's mode):
+
+  python benchmarks/decode_profile.py --preset=qwen3_8b --batch=1 --prompt_len=2200 --json_out=prof.json
+  python benchmarks/decode_profile.py --preset=tiny --prompt_len=64          # a CPU check
+
+profiles `--new_tokens` AR steps (block size 1, EOS off) of one decode call and writes, per loop
+iteration in microseconds: each group's device time (attention, projections, mlp, norms, rope,
+lm_head, choose, kv_cache writes, rest) and their sum; the launch gaps (the time between one loop
+op's end and the next one's start, summed: on a GPU the device idling between kernels); the
+step's wall time (the untraced call's, less the prefill's device time, per step); the prefill's
+device time; and the 40 costliest ops with their HLO names, so a grouping that misses can be
+read off. Ops are grouped by the `op_name` of the compiled HLO (the JAX name stack: module scopes
+such as `self_attn/` and `mlp/`); a fusion counts to the group of its own name, or of the root
+inside it; an op without a name (XLA's CPU backend drops it from its dots) by its shapes
+(vocabulary-wide: LM head or choice; a dot over the KV cache's slots: attention). Under the
+profiler XLA runs command buffers op by op, so the launch gaps are those of launching each
+kernel: what CUDA graphs (dgr2_jax/decode/xla_flags.py) remove.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import gzip
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -38,10 +58,14 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+if any(arg.startswith("--preset") for arg in sys.argv[1:]):   # the device's run: its GPU, the decoders' flags
+  from dgr2_jax.decode import xla_flags
+  xla_flags.configure_gpu_flags()
+else:   # the workdir mode compares with the CPU figures of docs/decoding.md
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -51,11 +75,138 @@ from dgr2_jax.decode import sampler  # noqa: E402
 from dgr2_jax.model import attention, masks, qwen3  # noqa: E402
 import decode_throughput  # noqa: E402
 
-GROUPS = (("attention", r"self_attn/(bkqd|bkqs|btkgd|bkgts|jit\(_where\)|reduce_max|reduce_sum|exp|sub|div|softmax)"),
-          ("projections", r"self_attn/(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)|layernorm|/norm/"),
-          ("mlp", r"/mlp/"), ("lm_head", r"e,ev->|ve->"), ("choose",
-                                                        r"branch_\d_fun/(reduce|select|eq|exp|log|argmax|min)|"
-                                                          r"sort|categorical|fold_in|threefry|cumsum|top_k"))
+# (group, pattern on the HLO op_name): the first that matches wins.
+# (group, pattern on the HLO op_name): the first that matches wins. In the loop, the ops outside the
+# model (`closed_call/x`, not `closed_call/Qwen3/...`) are the step's own: its one matmul is the LM
+# head, its exponentials and reductions the choice over the vocabulary.
+GROUPS = (("lm_head", r"e,ev->|e,ve->|ve->|/lm_head/|head_weight|closed_call/dot_general$"),
+          ("choose", r"branch_\d_fun/(reduce|select|eq|exp|log|argmax|min)|sort|categorical|fold_in|threefry|"
+                     r"cumsum|top_k|argmax|_choice|logsumexp|"
+                     r"closed_call/(exp|log|log1p|reduce_max|reduce_sum|reduce_min|argmax|argmin|sub|div|max)$"),
+          ("norms", r"layernorm|/norm/|q_norm|k_norm|rsqrt"),
+          ("rope", r"rope|/(cos|sin)$|/(cos|sin)/|self_attn/(neg|concatenate)$"),
+          ("kv_cache", r"self_attn/.*(scatter|dynamic_update_slice)|_write_cache"),
+          ("projections", r"self_attn/(q_proj|k_proj|v_proj|o_proj|qkv_proj)|self_attn/dot_general$|"
+                          r"self_attn/(convert_element_type|mul)$"),
+          ("mlp", r"/mlp/"),
+          ("attention", r"self_attn/|attention|pallas|split_key|splitkey|cudnn|dot_product"))
+GROUP_NAMES = tuple(g for g, _ in GROUPS) + ("rest",)
+CONTAINERS = ("while", "conditional", "call", "tuple", "get-tuple-element", "parameter", "constant", "bitcast")
+
+
+def parse_hlo(hlo: str) -> dict:
+  """Compiled HLO text -> {instruction: dict(comp, opcode, op_name, shape, operands, calls)}
+  (`calls`: the computations it runs: a fusion's, a loop's body and condition, a conditional's
+  branches), and under the key None {computation: its header line (its parameters' shapes)}."""
+  insts, headers, comp = {}, {}, ""
+  for line in hlo.splitlines():
+    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)   # computations start unindented
+    if head:
+      comp = head.group(1)
+      headers[comp] = line
+      continue
+    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([\w\-]+)\(([^)]*)\)", line)
+    if not m:
+      continue
+    meta = re.search(r'op_name="([^"]*)"', line)
+    calls = re.findall(r"(?:calls|body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)", line)
+    branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+    if branches:
+      calls += [c.strip().lstrip("%") for c in branches.group(1).split(",")]
+    insts[m.group(1)] = dict(comp=comp, opcode=m.group(3), op_name=meta.group(1) if meta else "", shape=m.group(2),
+                             operands=re.findall(r"%([\w.\-]+)", m.group(4)), calls=calls)
+  insts[None] = headers
+  return insts
+
+
+def loop_computations(insts: dict) -> set:
+  """Every computation a `while` loop runs, nested ones and their fusions included."""
+  todo = [c for i in insts.values() if i["opcode"] == "while" for c in i["calls"]]
+  by_comp = _by_computation(insts)
+  seen = set()
+  while todo:
+    c = todo.pop()
+    if c not in seen:
+      seen.add(c)
+      todo += [x for i in by_comp.get(c, ()) for x in i["calls"]]
+  return seen
+
+
+def _by_computation(insts: dict) -> dict:
+  out = collections.defaultdict(list)
+  for i in insts.values():
+    out[i["comp"]].append(i)
+  return out
+
+
+class Program:
+  """A compiled program's HLO, for naming and grouping the ops of its trace."""
+
+  def __init__(self, hlo: str, vocab: int = 0, slots: int = 0):
+    self.insts = parse_hlo(hlo)
+    self.headers = self.insts.pop(None)
+    self.loops = loop_computations(self.insts)
+    self.by_comp = _by_computation(self.insts)
+    self.kernels = {re.sub(r"[.\-]", "_", k): k for k in self.insts}   # a GPU kernel is named after its op
+    self.vocab, self.slots = vocab, slots
+
+  def resolve(self, op: str) -> str | None:
+    """The instruction a trace event names (its own name, or its kernel's), None if not this program's."""
+    return op if op in self.insts else self.kernels.get(op)
+
+  def op_name(self, name: str) -> str:
+    """The instruction's op_name, else the root's (printed last) inside the computations it calls."""
+    inst = self.insts[name]
+    if inst["op_name"]:
+      return inst["op_name"]
+    for c in inst["calls"]:
+      named = [i["op_name"] for i in self.by_comp.get(c, ()) if i["op_name"]]
+      if named:
+        return named[-1]
+    return ""
+
+  def where(self, op: str) -> str:
+    """'loop', 'prefill' (outside any loop), 'container' (a loop or call: its ops count themselves)
+    or 'unmatched' (another program's)."""
+    name = self.resolve(op)
+    if name is None:
+      return "unmatched"
+    if self.insts[name]["opcode"] in CONTAINERS:
+      return "container"
+    return "loop" if self.insts[name]["comp"] in self.loops else "prefill"
+
+  def has_dot(self, name: str) -> bool:
+    inst = self.insts[name]
+    return inst["opcode"] in ("dot", "custom-call") or any(
+        i["opcode"] in ("dot", "custom-call") for c in inst["calls"] for i in self.by_comp.get(c, ()))
+
+  def shapes(self, name: str) -> str:
+    """The shapes an instruction touches: its own, its operands' and its computations' parameters'."""
+    inst = self.insts[name]
+    return " ".join([inst["shape"]] + [self.insts[o]["shape"] for o in inst["operands"] if o in self.insts]
+                    + [self.headers.get(c, "") for c in inst["calls"]])
+
+  def group_of(self, op: str) -> str:
+    """The op's group by its op_name; an op without one (a CPU dot loses it) by its shapes: a
+    vocabulary-wide one is the LM head (a matmul) or the choice, a dot over the KV cache's slots
+    is attention."""
+    name = self.resolve(op)
+    g = classify(self.op_name(name))
+    if g != "rest" or self.op_name(name):
+      return g
+    shapes = self.shapes(name)
+    if self.vocab and re.search(rf"[\[,]{self.vocab}[\],]", shapes):
+      return "lm_head" if self.has_dot(name) else "choose"
+    if self.slots and self.has_dot(name) and re.search(rf"[\[,]{self.slots}[\],]", shapes):
+      return "attention"
+    return g
+
+
+def classify(op_name: str) -> str:
+  for g, pat in GROUPS:
+    if re.search(pat, op_name):
+      return g
+  return "rest"
 
 
 def _einsum_dense(q, k, v, mask):
@@ -80,7 +231,9 @@ def load_before(rev: str):
   return mod
 
 
-def profile(call, n: int = 3):
+def trace_events(call, n: int = 3) -> tuple:
+  """Runs `call` n times under jax.profiler (after one untraced call) -> (the XLA op events: dicts of
+  op (the HLO instruction), ts, dur (microseconds), lane (pid, tid); the last output)."""
   jax.block_until_ready(call())
   d = tempfile.mkdtemp()
   with jax.profiler.trace(d, create_perfetto_trace=True):
@@ -89,11 +242,46 @@ def profile(call, n: int = 3):
   f = glob.glob(f"{d}/**/*.json.gz", recursive=True)[0]
   tr = json.load(gzip.open(f))
   ev = tr["traceEvents"] if isinstance(tr, dict) else tr
-  dur = collections.Counter()
+  return op_events(ev), out
+
+
+def op_events(ev: list) -> list:
+  """A trace's XLA op events, each naming its HLO instruction (`hlo_op`; a device event without one
+  names its kernel, which `group` matches to the instruction it was emitted for). On a GPU the
+  device's lanes only (the host's lanes hold the same ops' launches), and of those the derived
+  "XLA Ops" lane when the trace has one (one event per op, where the stream lanes have its kernels)."""
+  procs, threads = {}, {}
   for e in ev:
-    if e.get("ph") == "X" and "dur" in e and not e["name"].startswith("$") and "Execute" not in e["name"] \
-        and "Pjit" not in e["name"] and e["name"] not in ("DevicePut", "ParseArguments") and "Await" not in e["name"]:
-      dur[e["name"]] += e["dur"] / n
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      procs[e.get("pid")] = e.get("args", {}).get("name", "")
+    if e.get("ph") == "M" and e.get("name") == "thread_name":
+      threads[(e.get("pid"), e.get("tid"))] = e.get("args", {}).get("name", "")
+  ops = []
+  for e in ev:
+    if e.get("ph") != "X" or "dur" not in e or e["name"].startswith(("end: ", "$")):
+      continue
+    args, lane = e.get("args") or {}, (e.get("pid"), e.get("tid"))
+    device = procs.get(e.get("pid"), "").startswith("/device:")
+    op = args.get("hlo_op") or (e["name"] if device else "")
+    if op:
+      ops.append(dict(op=op, ts=float(e["ts"]), dur=float(e["dur"]), lane=lane, device=device,
+                      lane_name=threads.get(lane, "")))
+  on_device = [e for e in ops if e["device"]]
+  xla_ops = [e for e in on_device if e["lane_name"] == "XLA Ops"]
+  return xla_ops or on_device or ops
+
+
+def lanes_summary(ops: list) -> list:
+  """[(lane name, events)] of the events used: which part of the trace the figures come from."""
+  return [[str(k), v] for k, v in collections.Counter(e["lane_name"] or str(e["lane"]) for e in ops).most_common(8)]
+
+
+def profile(call, n: int = 3):
+  """({op: microseconds per call}, the last output)."""
+  ops, out = trace_events(call, n)
+  dur = collections.Counter()
+  for e in ops:
+    dur[e["op"]] += e["dur"] / n
   return dur, out
 
 
@@ -121,27 +309,134 @@ def interleaved_medians(calls: dict, rounds: int) -> dict:
   return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def group(dur: dict, hlo: str, iterations: int) -> dict:
-  names = {}
-  for line in hlo.splitlines():
-    m = re.match(r"\s*%?([\w.\-]+) = .*?op_name=\"([^\"]*)\"", line)
-    if m:
-      names[m.group(1)] = m.group(2)
+def group(dur: dict, hlo: str, iterations: int, vocab: int = 0) -> dict:
+  """{op: us per call} -> {group: us per loop iteration, 'prefill': us per call outside the loop,
+  'unmatched': us per call of ops not in `hlo` (another program's)}."""
+  return group_program(Program(hlo, vocab), dur, iterations)
+
+
+def group_program(prog: Program, dur: dict, iterations: int) -> dict:
   out = collections.Counter()
   for op, us in dur.items():
-    meta = names.get(op, "")
-    if "while/body" not in meta and not op.startswith(("cond", "while")):
-      out["prefill"] += us
-      continue
-    if op.startswith(("cond", "while")):
-      continue  # containers: their ops are counted themselves
-    for g, pat in GROUPS:
-      if re.search(pat, meta):
-        out[g] += us / iterations
-        break
-    else:
-      out["rest"] += us / iterations
+    where = prog.where(op)
+    if where == "loop":
+      out[prog.group_of(op)] += us / iterations
+    elif where != "container":
+      out[where] += us
   return out
+
+
+def launch_gaps(ops: list, loop_ops: set, calls: int, iterations: int) -> float:
+  """Microseconds per loop iteration between one loop op's end and the next loop op's start, on
+  the lane (device stream or host thread) that ran most of them: time that lane sat idle inside
+  the loop (kernel launches, host syncs)."""
+  lanes = collections.Counter(e["lane"] for e in ops if e["op"] in loop_ops)
+  if not lanes:
+    return 0.0
+  lane = lanes.most_common(1)[0][0]
+  ev = sorted((e for e in ops if e["lane"] == lane and e["op"] in loop_ops), key=lambda e: e["ts"])
+  gaps, end = 0.0, None
+  for e in ev:
+    if end is not None and e["ts"] > end:
+      gap = e["ts"] - end
+      if gap < 5e4:    # a gap over 50 ms lies between two profiled calls, not inside a loop
+        gaps += gap
+    end = e["ts"] + e["dur"] if end is None else max(end, e["ts"] + e["dur"])
+  return gaps / calls / iterations
+
+
+def preset_model(a):
+  """(model config, params on the device) of a random-weights `--preset` (decode_throughput's shapes)."""
+  from dgr2_jax.model.config import Qwen3Config
+  cfg = Qwen3Config(rope_theta=1e6, **decode_throughput.PRESETS[a.preset])
+  if a.dtype:
+    cfg = cfg.replace(dtype=a.dtype, param_dtype=a.dtype)
+  if a.attention:
+    cfg = cfg.replace(attention_impl=a.attention)
+  cfg = cfg.replace(mask_token_id=cfg.vocab_size - 1)
+  params = jax.jit(lambda k: qwen3.init_params(cfg, k))(jax.random.PRNGKey(0))
+  return cfg, params
+
+
+def ar_decoder(cfg, a):
+  """(DecodeConfig, compiled decoder) of `--new_tokens` AR steps, EOS off, with the weight dtype and
+  projection fusion asked for (where this checkout's decoder has them)."""
+  dc = sampler.DecodeConfig(block_size=1, threshold=1.0, max_new_tokens=a.new_tokens, eos_ids=(),
+                            mask_token_id=cfg.mask_token_id, pad_id=0)
+  if a.weight_dtype:
+    if "weight_dtype" not in {f.name for f in dataclasses.fields(dc)}:
+      raise SystemExit("decode_profile: --weight_dtype: this checkout's DecodeConfig has no weight_dtype")
+    dc = dataclasses.replace(dc, weight_dtype=a.weight_dtype)
+  kw = {}
+  if "fuse_projections" in inspect.signature(sampler.decoder_for).parameters:
+    kw["fuse_projections"] = a.fuse_projections == "true"
+  elif a.fuse_projections == "false":
+    raise SystemExit("decode_profile: --fuse_projections=false: this checkout's decoder has no such choice")
+  return dc, sampler.decoder_for(cfg, dc, **kw)[1]
+
+
+class Recorder:
+  """Wraps a compiled decoder, keeping the arguments of its last call (to lower it with the same)."""
+
+  def __init__(self, fn):
+    self.fn, self.args = fn, None
+
+  def __call__(self, *args):
+    self.args = args
+    return self.fn(*args)
+
+
+def preset_profile(a) -> dict:
+  """The random-weights mode (module docstring): one AR decode call of `--new_tokens` steps traced
+  `--calls` times -> the JSON's dict."""
+  import run_meta
+  cfg, params = preset_model(a)
+  dc, fn = ar_decoder(cfg, a)
+  rs = np.random.RandomState(0)
+  toks, lens = sampler.left_pad([list(rs.randint(10, cfg.vocab_size - 2, a.prompt_len)) for _ in range(a.batch)],
+                                a.prompt_len, 0)
+  rec = Recorder(fn)
+  call = lambda: sampler.run_decoder(rec, params, toks, lens, dc)
+  ops, out = trace_events(call, a.calls)
+  prog = Program(rec.fn.lower(*rec.args).compile().as_text(), cfg.vocab_size, a.prompt_len + a.new_tokens)
+  it = max(int(out["forward_passes"]), 1)
+  wall = interleaved_medians({"call": call}, 3)["call"]
+  dur = collections.Counter()
+  for e in ops:
+    dur[e["op"]] += e["dur"] / a.calls
+  groups = group_program(prog, dur, it)
+  loop_ops = {op for op in dur if prog.where(op) == "loop"}
+  per_iter = {g: groups.get(g, 0.0) for g in GROUP_NAMES}
+  top = sorted(((us, op) for op, us in dur.items() if prog.where(op) in ("loop", "prefill")), reverse=True)[:40]
+  return dict(
+      meta=dict(run_meta.meta(), preset=a.preset, dtype=str(cfg.dtype), attention=cfg.attention_impl,
+                batch=a.batch, prompt_len=a.prompt_len, new_tokens=a.new_tokens, calls=a.calls,
+                weight_dtype=a.weight_dtype, fuse_projections=a.fuse_projections),
+      iterations=it, us_per_iteration=per_iter, device_us_per_iteration=sum(per_iter.values()),
+      launch_gaps_us_per_iteration=launch_gaps(ops, loop_ops, a.calls, it),
+      wall_s=wall, prefill_device_us=groups.get("prefill", 0.0), unmatched_us=groups.get("unmatched", 0.0),
+      # the call's wall time less the prefill's device time, per step: what a step costs end to end
+      step_wall_us=(wall * 1e6 - groups.get("prefill", 0.0)) / it,
+      lanes=lanes_summary(ops),
+      top_ops=[dict(op=op, us_per_call=us, where=prog.where(op),
+                    group=prog.group_of(op) if prog.resolve(op) else "", op_name=prog.op_name(prog.resolve(op)))
+               for us, op in top])
+
+
+def print_preset(res: dict) -> None:
+  m, g = res["meta"], res["us_per_iteration"]
+  print(f"# AR decode profile: {m['device']}, jax {m['jax_version']}, commit {m['git_commit']}, command buffers "
+        f"{m['command_buffers']}; {m['preset']} ({m['dtype']}, attention {m['attention']}), batch {m['batch']}, "
+        f"prompt {m['prompt_len']}, {res['iterations']} steps; trace lanes {res['lanes']}")
+  print("\n| us / step | " + " | ".join(GROUP_NAMES) + " | launch gaps | step wall us | wall ms / call | "
+        "prefill ms |")
+  print("|---" * (len(GROUP_NAMES) + 5) + "|")
+  print(f"| {res['device_us_per_iteration']:.0f} | " + " | ".join(f"{g[k]:.0f}" for k in GROUP_NAMES) +
+        f" | {res['launch_gaps_us_per_iteration']:.0f} | {res['step_wall_us']:.0f} | {res['wall_s'] * 1e3:.2f} | "
+        f"{res['prefill_device_us'] / 1e3:.2f} |")
+  print("\ncostliest ops (us per call, where, group, op_name):")
+  for t in res["top_ops"][:15]:
+    print(f"  {t['us_per_call']:9.1f} {t['where']:8s} {t['group']:12s} {t['op']} {t['op_name'][:100]}")
 
 
 def main():
@@ -150,7 +445,30 @@ def main():
   ap.add_argument("--before", default="", help="git revision of the decoder to compare with")
   ap.add_argument("--batch_sizes", default="1,32")
   ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds of the bound table")
+  ap.add_argument("--preset", default="", choices=["", *decode_throughput.PRESETS],
+                  help="random weights at this shape instead of the workdir's models (AR only)")
+  ap.add_argument("--batch", type=int, default=1, help="--preset: rows")
+  ap.add_argument("--prompt_len", type=int, default=2200, help="--preset: prompt tokens")
+  ap.add_argument("--new_tokens", type=int, default=16, help="--preset: AR steps traced per call")
+  ap.add_argument("--calls", type=int, default=2, help="--preset: decode calls traced")
+  ap.add_argument("--dtype", default="", help="--preset: compute/param dtype (bfloat16 on a GPU)")
+  ap.add_argument("--attention", default="", help="--preset: model.attention_impl ('' = the model's)")
+  ap.add_argument("--weight_dtype", default="", help="--preset: DecodeConfig.weight_dtype ('' = compute dtype)")
+  ap.add_argument("--fuse_projections", default="true", choices=["true", "false"],
+                  help="--preset: fused q/k/v and gate/up")
+  ap.add_argument("--json_out", default="", help="--preset: write the result as JSON here")
   a = ap.parse_args()
+  if a.preset:
+    res = preset_profile(a)
+    print_preset(res)
+    if a.json_out:
+      with open(a.json_out, "w") as f:
+        json.dump(res, f, indent=1)
+    return
+  workdir_main(a)
+
+
+def workdir_main(a):
   from configs import demo
   from dgr2_jax.model.checkpoint import load_model_dir
   from dgr2_jax.decode import runtime
@@ -198,7 +516,7 @@ def main():
           if name == "before":
             attention._dense = orig
         it = max(int(out["forward_passes"]), 1)
-        cols[name] = (group(dur, hlo, it), it)
+        cols[name] = (group(dur, hlo, it, mc.vocab_size), it)
         if name == "after":
           slots = config.task.prompt_len + dc.max_new_tokens
           mcd = sampler.model_for_decoding(mc, dc)
@@ -208,17 +526,16 @@ def main():
                                        loop=loop, prefill=prefill_call(mcd, params, toks, lens, slots))
       results.append((label, batch, cols))
       for name, (g, it) in cols.items():
-        tot = sum(v for k, v in g.items() if k != "prefill")
-        parts = ", ".join(f"{k} {g.get(k, 0):.0f}" for k, _ in GROUPS + (("rest", None),))
+        tot = sum(v for k, v in g.items() if k in GROUP_NAMES)
+        parts = ", ".join(f"{k} {g.get(k, 0):.0f}" for k in GROUP_NAMES)
         print(f"{label} batch {batch} [{name}]: {it} iterations, {tot:.0f} us/iteration ({parts}); "
               f"prefill {g.get('prefill', 0) / 1e3:.2f} ms", flush=True)
-  print("\n| decoder | batch | version | iterations | us / iteration | attention | projections | mlp | lm_head | "
-        "choose | rest |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  print("\n| decoder | batch | version | iterations | us / iteration | " + " | ".join(GROUP_NAMES) + " |")
+  print("|---" * (5 + len(GROUP_NAMES)) + "|")
   for label, batch, cols in results:
     for name, (g, it) in cols.items():
-      tot = sum(v for k, v in g.items() if k != "prefill")
-      cells = " | ".join(f"{g.get(k, 0):.0f}" for k in ("attention", "projections", "mlp", "lm_head", "choose", "rest"))
+      tot = sum(v for k, v in g.items() if k in GROUP_NAMES)
+      cells = " | ".join(f"{g.get(k, 0):.0f}" for k in GROUP_NAMES)
       print(f"| {label} | {batch} | {name} | {it} | {tot:.0f} | {cells} |")
   print("\n| batch | prefill + call ms | AR us/iteration | AR 1-slot forward us | diffusion us/iteration | "
         "diffusion 32-slot forward us | iterations AR / diffusion | speedup measured | speedup, both loops free | "

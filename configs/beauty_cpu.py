@@ -92,6 +92,9 @@ def get_config(arg: str = ""):
   c.teacher_rl.valid_prompts = 2048
   c.teacher_rl.keep_best = True
   c.teacher_rl.prompt_pool = "natural"
+  # DAPO dynamic sampling: about nine groups in ten have no reward variance here, so a step draws up
+  # to 4 batches of prompts until 8 groups (prompts_per_step) have some; up to 4x the rollout time.
+  c.teacher_rl.dynamic_sampling = 4
   # On-policy distillation 3x the demo's steps, chosen on validation like the RL stages: greedy
   # Recall@1 of 2,048 validation users at steps 0 (the CFT model), 48 and 96; the best is kept.
   c.opd.steps = 96
@@ -108,6 +111,7 @@ def get_config(arg: str = ""):
   c.rl.valid_prompts = 2048
   c.rl.keep_best = True
   c.rl.prompt_pool = "natural"   # as the teacher's RL
+  c.rl.dynamic_sampling = 4      # as the teacher's RL
   c.eval.max_examples = 0        # every test user with the target among the candidates
   # The ladder's block-diffusion rows decode with decode's settings (tau 0.9, 8 steps per block).
   # `--config.pipeline.ladder_threshold=1.0 --config.pipeline.ladder_steps_per_block=0` decodes

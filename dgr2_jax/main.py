@@ -137,7 +137,18 @@ def start_processes() -> None:
   multihost.quiet_other_processes()
 
 
+def configure_xla() -> None:
+  """The decode loop's GPU flags (decode/xla_flags.py: CUDA graphs of the whole loop;
+  DGR2_COMMAND_BUFFERS=0 keeps XLA's defaults). XLA reads them once, when its backend starts."""
+  from dgr2_jax.decode import xla_flags
+  try:
+    xla_flags.configure_gpu_flags()
+  except ValueError as e:
+    fail(e, USAGE)
+
+
 def main(argv):
+  configure_xla()    # before the first JAX call
   start_processes()  # before any other JAX call
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}: every setting is a --config.<field>=value flag", USAGE)

@@ -32,7 +32,8 @@ import pytest  # noqa: E402
 # modules of a --durations run on two cores), so that no long unit starts last; the rest keep
 # their collection order. Without -n the same order runs in one process.
 _HEAVY_FIRST = ("test_multiprocess_pipeline.py", "smoke", "test_decode.py", "test_speculative.py",
-                "test_decode_mesh.py", "test_vocab_chunks.py", "test_retriever.py", "test_multiprocess.py")
+                "test_decode_mesh.py", "test_vocab_chunks.py", "test_retriever.py", "test_multiprocess.py",
+                "test_dynamic_sampling.py", "test_flash_pallas.py")
 
 
 def _work_unit(item):

@@ -19,6 +19,7 @@ from dgr2_jax import checks
 
 
 KV_WRITES = ("auto", "fused", "separate")
+WEIGHT_DTYPES = ("", "float8_e4m3fn")   # '' = the compute dtype; the others: model/qwen3.py QUANTIZED
 MODES = ("threshold", "speculative")
 
 
@@ -52,6 +53,17 @@ class DecodeConfig:
   # round trip (a divisor of `steps_per_sync`); 0 = whenever enough rows are ready, decided on the
   # device (a `lax.cond` per drafter step: a host round trip each on a GPU, but no row waits).
   verify_every: int = 2
+  # Shared-prefix KV reuse (decode/prefix.py; static per prefix length): the token prefix every
+  # prompt of a batch shares (the system prompt and instructions) is prefilled once and its K/V
+  # copied into each row, so each row prefills only what follows it. 0 = off (a full prefill);
+  # -1 = the batch's longest common prefix, rounded down to a multiple of 16 tokens; N > 0 = that
+  # prefix capped at N tokens. The same tokens as a full prefill in every test, but the copied K/V
+  # may differ from the batched prefill's in the last float bits (decode/prefix.py), so off by default.
+  shared_prefix: int = 0
+  # The dtype the decoder stores its projection kernels in (static; model/qwen3.py decode_params):
+  # '' = the compute dtype; 'float8_e4m3fn' = every projection and the LM head in e4m3 with an f32
+  # scale per output channel, dequantized in the matmul: about half the weight bytes a step reads.
+  weight_dtype: str = ""
 
   def __post_init__(self):
     _check_values(dataclasses.asdict(self), "decode")
@@ -91,6 +103,13 @@ def decode_config() -> ml_collections.ConfigDict:
   # completed earlier waits for the pass); 0 = as soon as enough drafts are ready, decided on the
   # device: no wait, but a host round trip per drafter step on a GPU.
   c.verify_every = d.verify_every
+  # Shared-prefix KV reuse (decode/prefix.py): the prompt prefix every row shares is prefilled once
+  # and its K/V copied into each row (and each serving slot). 0 = off; -1 = the batch's longest
+  # common token prefix (rounded down to a multiple of 16); N > 0 = that prefix, at most N tokens.
+  c.shared_prefix = d.shared_prefix
+  # Weight-only quantization for decoding (model/qwen3.py decode_params): '' = the compute dtype;
+  # 'float8_e4m3fn' = projections and LM head in e4m3, a per-output-channel scale (half the bytes).
+  c.weight_dtype = d.weight_dtype
   # The decode mesh of eval, generate and bench (dgr2_jax/decode/mesh.py): `data` splits each
   # batch's rows, `tensor` the model (heads, MLP, vocabulary, KV cache); 0 or -1 = all remaining
   # devices. Default: every device decodes its own rows. An 8B model at batch 1: data=1, tensor=8.
@@ -136,6 +155,12 @@ def _check_values(d: Mapping, name: str) -> None:
     checks.fail(f"{name}.steps_per_sync", f"must be an int >= 1, got {d['steps_per_sync']!r}")
   if d["kv_write"] not in KV_WRITES:
     checks.fail(f"{name}.kv_write", f"must be one of {list(KV_WRITES)}, got {d['kv_write']!r}")
+  if not _is_int(d["shared_prefix"], -1):
+    checks.fail(f"{name}.shared_prefix", f"must be an int >= -1 (0 = off, -1 = detected, N = at most N tokens), "
+                f"got {d['shared_prefix']!r}")
+  if d["weight_dtype"] not in WEIGHT_DTYPES:
+    checks.fail(f"{name}.weight_dtype", f"must be one of {list(WEIGHT_DTYPES)} ('' = the compute dtype), "
+                f"got {d['weight_dtype']!r}")
   if not _is_int(d["verify_every"], 0):
     checks.fail(f"{name}.verify_every", f"must be an int >= 0, got {d['verify_every']!r}")
 

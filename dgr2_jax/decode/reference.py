@@ -27,7 +27,11 @@ def _np_log_softmax(x):
   return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
-def reference_decode(model_config, params, prompts, dc: DecodeConfig, rng=None, max_prompt_len=None):
+def reference_decode(model_config, params, prompts, dc: DecodeConfig, rng=None, max_prompt_len=None,
+                     commits=None):
+  """`commits`: per-row forced schedules (lists of ints, decode/schedule.py) or None: a row's step s
+  commits at least commits[row][s] positions in place of the step budget's minimum, and the row
+  stops after its schedule's last step."""
   if dc.block_size > 1:
     model_config = model_config.as_block_diffusion(dc.block_size, dc.mask_token_id)
   rng = jax.random.PRNGKey(0) if rng is None else rng
@@ -77,7 +81,7 @@ def reference_decode(model_config, params, prompts, dc: DecodeConfig, rng=None, 
         conf = {i: float(np.exp(lp[i, tok[i]])) for i in cands}
         # The step budget: at least ceil(m / steps left) commits, most confident first.
         left = max(dc.steps_per_block - (step - block_start), 1) if dc.steps_per_block else bs
-        k_min = -(-len(cands) // left)
+        k_min = -(-len(cands) // left) if commits is None else commits[row][step]
         top = sorted(cands, key=lambda i: (-conf[i], i))[:k_min]
         for i in cands:
           if (dc.threshold < 1.0 and conf[i] >= dc.threshold) or i in top:
@@ -87,7 +91,9 @@ def reference_decode(model_config, params, prompts, dc: DecodeConfig, rng=None, 
             if int(tok[i]) in dc.eos_ids:
               eos_pos = min(eos_pos, j * bs + i)
         step += 1
-      if eos_pos < (j + 1) * bs:
+        if commits is not None and step == len(commits[row]):
+          break
+      if eos_pos < (j + 1) * bs or (commits is not None and step == len(commits[row])):
         break
     out["eos_pos"][row], out["steps"][row] = eos_pos, step
   out["output_ids"] = [out["tokens"][row, :min(out["eos_pos"][row] + 1, r)].tolist() for row in range(b)]

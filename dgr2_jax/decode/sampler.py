@@ -3,7 +3,8 @@
 Semantics are docs/design.md, per row. Layout: prompts left-padded to `P`
 slots (at least one block, so block 0 has a "previous block"), the response in `R = n * B` slots
 after them; the KV cache has `P + R` slots and every row uses the same slot for the same response
-index (positions differ per row, key ranges hide the padding).
+index (positions differ per row, key ranges hide the padding). A prompt prefix every row shares
+can be prefilled once and its K/V copied into each row (`DecodeConfig.shared_prefix`, decode/prefix.py).
 
 Rows progress independently: each row has its own active block, step counter and step budget,
 and a row whose block is finished moves to its next block while the others are still denoising.
@@ -35,6 +36,9 @@ confident ones (ties: lower index first), so no block takes more than S steps. T
 "denoising steps" budget of LLaDA / Fast-dLLM style evaluation (the paper evaluates with 64 steps):
 a model that is confident nowhere is made to commit several positions per step instead of falling
 back to one per step, i.e. to AR-like decoding at no speedup.
+Forced schedule (`Knobs.commits`, decode/schedule.py): an int per row and step replaces the budget's
+minimum count, so at tau 1 the row's step s commits exactly its n_s most confident positions, and
+the row finishes where its schedule ends, as at an EOS (a recorded answer's steps, replayed).
 
 `commit_step` counts the row's own steps (0, 1, ...); the key of a row's step s is
 `fold_in(row_key, s)`, so a row decodes exactly as it would alone (decode/reference.py decodes each
@@ -68,7 +72,7 @@ import numpy as np
 from flax import struct
 
 from dgr2_jax.decode import mesh as dmesh
-from dgr2_jax.decode import sampling
+from dgr2_jax.decode import prefix, sampling
 from dgr2_jax.decode.config import KV_WRITES, DecodeConfig, decode_config_from  # noqa: F401
 from dgr2_jax.model import logits as logits_lib
 from dgr2_jax.model import masks, qwen3
@@ -171,6 +175,10 @@ class Knobs:
   top_k: jax.Array             # 0 = off
   top_p: jax.Array             # 1.0 = off
   steps_per_block: jax.Array   # 0 = no step budget
+  # A forced commit schedule [B, T+1] int32 (decode/schedule.py; None = none): the row's step s
+  # commits at least commits[row, s] positions in place of the step budget's minimum (exactly that
+  # many at tau 1), and a row finishes once the entry after its step is 0 (the schedule's end).
+  commits: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +249,8 @@ def denoise_commit(rule: CommitRule, params, rows: Rows, preds, writing, row_key
                        rule.route)
   steps_left = jnp.where(knobs.steps_per_block > 0,
                          jnp.maximum(knobs.steps_per_block - (step - rows.block_start), 1), bsz)
-  commit = commit_mask(jnp.exp(tok_lp), cand, knobs.threshold, steps_left)
+  forced = None if knobs.commits is None else _schedule_at(knobs.commits, step)
+  commit = commit_mask(jnp.exp(tok_lp), cand, knobs.threshold, steps_left, forced)
 
   new_block = jnp.where(commit, tok, canvas)
   at = row_ids[:, None], jc[:, None] * bsz + idx                      # this row's active block
@@ -251,6 +260,8 @@ def denoise_commit(rule: CommitRule, params, rows: Rows, preds, writing, row_key
   remaining = (new_block == mask_id) & (idx < (eos_pos - jc * bsz)[:, None]) & ~rows.done[:, None]
   block_done = ~remaining.any(axis=1) & ~rows.done & ~writing
   done = rows.done | (block_done & ((eos_pos < (jc + 1) * bsz) | (jc + 1 >= num_blocks)))
+  if knobs.commits is not None:   # a forced schedule that ends here finishes the row, as an EOS would
+    done = done | (has_cand & (_schedule_at(knobs.commits, step + 1) == 0))
   return Rows(
       step=step + has_cand.astype(jnp.int32), block=jnp.where(block_done, j + 1, j),
       first=block_done | (rows.first & ~writing & ~has_cand),
@@ -309,6 +320,11 @@ def sampling_route(dc: "DecodeConfig") -> str:
   return "sampled" if dc.temperature > 0 else "greedy"
 
 
+def _schedule_at(commits, step):
+  """commits [B, T+1] (`Knobs.commits`) at each row's step [B], past the end read as its last (0) column."""
+  return jnp.take_along_axis(commits, jnp.minimum(step, commits.shape[1] - 1)[:, None], axis=1)[:, 0]
+
+
 def confidence_rank(conf, cand):
   """Rank of each candidate by confidence (0 = most confident; ties -> lower index first), as a
   stable argsort would give; non-candidates rank after every candidate. conf, cand [B,N]."""
@@ -320,10 +336,13 @@ def confidence_rank(conf, cand):
   return before.sum(-1)                                                       # [B,N]
 
 
-def commit_mask(conf, cand, threshold, steps_left):
-  """The commit rule (module docstring) for one step: cand, conf [B,N]; steps_left [B]."""
+def commit_mask(conf, cand, threshold, steps_left, forced=None):
+  """The commit rule (module docstring) for one step: cand, conf [B,N]; steps_left [B]. `forced`
+  [B] (a forced schedule's entries, `Knobs.commits`): the minimum count in place of the budget's."""
   rank = confidence_rank(conf, cand)
   k_min = (cand.sum(axis=1) + steps_left - 1) // steps_left                  # [B]; 1 without a budget
+  if forced is not None:
+    k_min = forced
   return cand & (((conf >= threshold) & (threshold < 1.0)) | (rank < k_min[:, None]))
 
 
@@ -409,6 +428,9 @@ class DecoderOptions:
   route: str | None = None     # `sampling_route`; None = picked on the device per step
   steps_per_sync: int = 8      # decode steps per host round trip
   mesh: object = None          # decode/mesh.py: the loop state pinned to it; None = one device
+  prefix_len: int = 0          # a shared prompt prefix prefilled once (decode/prefix.py); 0 = none
+  weight_dtype: str = ""       # DecodeConfig.weight_dtype (qwen3.decode_params)
+  fuse_projections: bool = True   # qwen3.decode_params' fuse: q/k/v and gate/up one matmul each
 
 
 @struct.dataclass
@@ -431,7 +453,9 @@ class DecodeState:
 
 def _decode(o: DecoderOptions, params, prompt_tokens, prompt_len, knobs: Knobs, rng) -> dict:
   c, bsz, num_blocks = o.config.replace(scan_layers=False), o.block_size, o.num_blocks
-  params = qwen3.decode_params(c, params)  # per layer, in the compute dtype: once per call
+  # Per layer, in the compute dtype, projections fused (and quantized): once per call; nothing
+  # when the caller passed params it prepared (qwen3.decode_params is idempotent).
+  params = qwen3.decode_params(c, params, o.weight_dtype, o.fuse_projections)
   if prompt_tokens.shape[1] < bsz:  # block 0 needs a previous block of prompt slots (pad slots)
     prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (bsz - prompt_tokens.shape[1], 0)))
   b, p = prompt_tokens.shape
@@ -446,7 +470,8 @@ def _decode(o: DecoderOptions, params, prompt_tokens, prompt_len, knobs: Knobs, 
     return window_forward(c, params, tokens, start, cache, prompt_len, p, positions, return_hidden=True)
 
   cache = dmesh.constrain_cache(o.mesh, qwen3.init_cache(c, b, s))   # rows over data, kv heads over tensor
-  hidden, cache = run(prompt_tokens, 0, cache)                        # hidden[:, -1] predicts index 0 of block 0
+  # hidden[:, -1] predicts index 0 of block 0; a shared prefix's K/V computed once (decode/prefix.py)
+  hidden, cache = prefix.prefill(c, params, prompt_tokens, prompt_len, cache, o.prefix_len, p, run)
 
   win = BlockWindows(c, params, prompt_tokens, prompt_len, positions, bsz, num_blocks, kv_write)
 
@@ -499,42 +524,61 @@ def _decode(o: DecoderOptions, params, prompt_tokens, prompt_len, knobs: Knobs, 
 
 
 @functools.lru_cache(maxsize=32)
-def compiled_decoder(model_config: Qwen3Config, block_size: int, max_new_tokens: int,
-                     eos_ids: tuple, mask_id: int, kv_write: str = "auto", route: str | None = None,
-                     steps_per_sync: int = 8, mesh=None):
-  """One jitted function per static shape/config and sampling route (`sampling_route`; None =
-  picked on the device per step); tau, temperature, top-k/p, the key and the step budget are
-  traced. `mesh` (decode/mesh.py): the loop state is pinned to it (rows over data, the KV cache
-  over tensor); the params and prompts arrive already placed on it. Called as
-  fn(params, prompt_tokens, prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block)."""
-  if route is not None and route not in ROUTES:
-    raise ValueError(f"sampling route must be one of {ROUTES}, got {route!r}")
-  o = DecoderOptions(model_config, block_size, max_new_tokens // block_size, tuple(eos_ids), mask_id, kv_write,
-                     route, int(steps_per_sync), mesh)
+def jitted_decoder(o: DecoderOptions):
+  """One jitted function per DecoderOptions: per static shape/config, sampling route
+  (`sampling_route`; None = picked on the device per step), mesh, shared prefix and weight
+  preparation; tau, temperature, top-k/p, the key and the step budget are traced. `o.mesh`
+  (decode/mesh.py): the loop state is pinned to it (rows over data, the KV cache over tensor); the
+  params and prompts arrive already placed on it. `o.prefix_len` > 0: every prompt starts with the
+  same that many tokens, prefilled once (decode/prefix.py `resolve`). `o.weight_dtype`,
+  `o.fuse_projections`: how the params are prepared (`qwen3.decode_params`). Called as
+  fn(params, prompt_tokens, prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block,
+  commits=None) (`commits`: a forced schedule, `Knobs.commits`)."""
+  if o.route is not None and o.route not in ROUTES:
+    raise ValueError(f"sampling route must be one of {ROUTES}, got {o.route!r}")
 
-  def decode(params, prompt_tokens, prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block=0):
-    knobs = Knobs(threshold, temperature, top_k, top_p, steps_per_block)
+  def decode(params, prompt_tokens, prompt_len, threshold, temperature, top_k, top_p, rng, steps_per_block=0,
+             commits=None):
+    knobs = Knobs(threshold, temperature, top_k, top_p, steps_per_block, commits)
     return _decode(o, params, prompt_tokens, prompt_len, knobs, rng)
   return jax.jit(decode)
 
 
-def decoder_for(model_config: Qwen3Config, dc: DecodeConfig, mesh=None):
+def compiled_decoder(model_config: Qwen3Config, block_size: int, max_new_tokens: int,
+                     eos_ids: tuple, mask_id: int, kv_write: str = "auto", route: str | None = None,
+                     steps_per_sync: int = 8, mesh=None, **options):
+  """`jitted_decoder` of these DecoderOptions; `options`: its other fields by name (prefix_len,
+  weight_dtype, fuse_projections)."""
+  return jitted_decoder(DecoderOptions(model_config, block_size, max_new_tokens // block_size, tuple(eos_ids),
+                                       mask_id, kv_write, route, int(steps_per_sync), mesh, **options))
+
+
+compiled_decoder.cache_clear = jitted_decoder.cache_clear   # the compiled decoders are jitted_decoder's
+
+
+def decoder_for(model_config: Qwen3Config, dc: DecodeConfig, mesh=None, prefix_len: int = 0,
+                fuse_projections: bool = True):
   """(the model config it runs, the compiled decoder) for a DecodeConfig (on `mesh`, if given). The
   decoder serves every DecodeConfig with the same static fields and `sampling_route` (run it with
-  `run_decoder`)."""
+  `run_decoder`); with `prefix_len` > 0, prompts that all start with the same that many tokens
+  (`prefix.resolve` of `dc.shared_prefix` and the batch). `fuse_projections` False: q/k/v and
+  gate/up stay separate matmuls (an A/B of `qwen3.decode_params`' fusion)."""
   model_config = model_for_decoding(model_config, dc)
   mask_id = dc.mask_token_id if dc.mask_token_id is not None else dc.pad_id
   return model_config, compiled_decoder(model_config, dc.block_size, dc.max_new_tokens, tuple(dc.eos_ids),
-                                        mask_id, dc.kv_write, sampling_route(dc), dc.steps_per_sync, mesh)
+                                        mask_id, dc.kv_write, sampling_route(dc), dc.steps_per_sync, mesh,
+                                        prefix_len=int(prefix_len), weight_dtype=dc.weight_dtype,
+                                        fuse_projections=bool(fuse_projections))
 
 
-def run_decoder(fn, params, prompt_tokens, prompt_len, dc: DecodeConfig, rng=None):
+def run_decoder(fn, params, prompt_tokens, prompt_len, dc: DecodeConfig, rng=None, commits=None):
   """Calls a `compiled_decoder` with `dc`'s traced settings (device arrays out). Host values go in
   as NumPy (one transfer with the call, no per-scalar dispatch: at batch 1 the host side of a call
-  is a visible share of its wall-clock); rng None = PRNGKey(0)."""
+  is a visible share of its wall-clock); rng None = PRNGKey(0). `commits`: a forced schedule [B, T+1]
+  (`Knobs.commits`, decode/schedule.py's `forced_commits`; None = none)."""
   rng = np.zeros((2,), np.uint32) if rng is None else rng   # == jax.random.PRNGKey(0)
   return fn(params, prompt_tokens, prompt_len, np.float32(dc.threshold), np.float32(dc.temperature),
-            np.int32(dc.top_k), np.float32(dc.top_p), rng, np.int32(dc.steps_per_block))
+            np.int32(dc.top_k), np.float32(dc.top_p), rng, np.int32(dc.steps_per_block), commits)
 
 
 def decode_config_for(model_config: Qwen3Config, **kw) -> DecodeConfig:
@@ -574,7 +618,7 @@ def generate(model_config: Qwen3Config, params, prompts: Sequence[Sequence[int]]
   rows dropped from the outputs), the model over its tensor axis; the outputs equal one device's.
   """
   dc = decode_config
-  model_config, fn = decoder_for(model_config, dc, mesh)
+  model_config, fn = decoder_for(model_config, dc, mesh, prefix.resolve(dc.shared_prefix, prompts))
   max_prompt_len = max_prompt_len or max(len(x) for x in prompts)
   tokens, lengths = left_pad(prompts, max_prompt_len, dc.pad_id)
   n = n_pad = len(tokens)

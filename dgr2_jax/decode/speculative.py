@@ -73,7 +73,7 @@ import numpy as np
 from flax import struct
 
 from dgr2_jax.decode import mesh as dmesh
-from dgr2_jax.decode import sampler, sampling
+from dgr2_jax.decode import prefix, sampler, sampling
 # The modes and the verification schedule's rule belong to the decode section's owner.
 from dgr2_jax.decode.config import MODES, check_schedule  # noqa: F401
 from dgr2_jax.model import masks, qwen3
@@ -103,6 +103,9 @@ class SpecOptions:
   steps_per_sync: int = 8      # drafter steps per host round trip
   verify_every: int = 2        # drafter steps per verifier pass (0: on the device's decision)
   mesh: object = None          # decode/mesh.py: the loop state pinned to it; None = one device
+  weight_dtype: str = ""       # DecodeConfig.weight_dtype: both models' params (qwen3.decode_params)
+  fuse_projections: bool = True   # qwen3.decode_params' fuse
+  prefix_len: int = 0          # a shared prompt prefix prefilled once by each model (decode/prefix.py)
 
 
 @struct.dataclass
@@ -418,7 +421,9 @@ def _decode(o: SpecOptions, params: tuple, prompt_tokens, prompt_len, knobs: sam
     # cond `sampling.decoding_logprobs` holds on them, a host round trip per step on a GPU.
     knobs = knobs.replace(top_k=0, top_p=1.0)
   dcfg, vcfg = o.drafter.replace(scan_layers=False), o.verifier.replace(scan_layers=False)
-  dparams, vparams = qwen3.decode_params(dcfg, params[0]), qwen3.decode_params(vcfg, params[1])  # once
+  # once per call (nothing for params the caller prepared: qwen3.decode_params is idempotent)
+  dparams, vparams = (qwen3.decode_params(cfg, p, o.weight_dtype, o.fuse_projections)
+                      for cfg, p in ((dcfg, params[0]), (vcfg, params[1])))
   # Block 0 needs a previous block of prompt slots (the drafter) and the verifier a prompt token
   # before the pending one: at least B + 1 prompt slots (pad slots).
   if prompt_tokens.shape[1] < bsz + 1:
@@ -437,10 +442,13 @@ def _decode(o: SpecOptions, params: tuple, prompt_tokens, prompt_len, knobs: sam
   # Prefills: the drafter over the whole prompt (its last slot predicts index 0), the verifier over
   # all but the last prompt token (pending for the first round).
   init = lambda cfg, s: dmesh.constrain_cache(mesh, qwen3.init_cache(cfg, b, s))   # rows / kv heads split
-  hidden, dcache = sampler.window_forward(dcfg, dparams, prompt_tokens, 0, init(dcfg, s_d),
-                                          prompt_len, p, pos_d, return_hidden=True)
-  _, vcache = sampler.window_forward(vcfg, vparams, prompt_tokens[:, :p - 1], 0, init(vcfg, s_v),
-                                     prompt_len, p, pos_v, return_hidden=True)
+  # A shared prefix (o.prefix_len > 0): its K/V computed once per model and copied into each row.
+  dwin = lambda t, start, cache: sampler.window_forward(dcfg, dparams, t, start, cache, prompt_len, p, pos_d,
+                                                        return_hidden=True)
+  vwin = lambda t, start, cache: sampler.window_forward(vcfg, vparams, t, start, cache, prompt_len, p, pos_v,
+                                                        return_hidden=True)
+  hidden, dcache = prefix.prefill(dcfg, dparams, prompt_tokens, prompt_len, init(dcfg, s_d), o.prefix_len, p, dwin)
+  _, vcache = prefix.prefill(vcfg, vparams, prompt_tokens, prompt_len, init(vcfg, s_v), o.prefix_len, p - 1, vwin)
   win = sampler.BlockWindows(dcfg, dparams, prompt_tokens, prompt_len, pos_d, bsz, o.num_blocks, kv_write)
   k = _Call(o, dcfg, vcfg, dparams, vparams, prompt_tokens, prompt_len, pos_v, win, knobs, draft_keys, verify_keys,
             eos, idx, kwin, rows)
@@ -473,9 +481,9 @@ def compiled_speculative(o: SpecOptions):
 
 
 def decoder_for(drafter_config: Qwen3Config, verifier_config: Qwen3Config, dc: sampler.DecodeConfig,
-                accept_all: bool = False, mesh=None):
+                accept_all: bool = False, mesh=None, fuse_projections: bool = True, prefix_len: int = 0):
   """The compiled speculative decoder for a drafter/verifier pair and a DecodeConfig (on `mesh`).
-  `accept_all` (tests only): SpecOptions.accept_all."""
+  `accept_all` (tests only): SpecOptions.accept_all; `fuse_projections`, `prefix_len`: SpecOptions'."""
   if dc.block_size < 2:
     raise ValueError(f"decode.mode='speculative' needs a drafter block size >= 2, got {dc.block_size}")
   if dc.mask_token_id is None:
@@ -486,7 +494,7 @@ def decoder_for(drafter_config: Qwen3Config, verifier_config: Qwen3Config, dc: s
   return compiled_speculative(SpecOptions(
       dcfg, vcfg, dc.block_size, dc.max_new_tokens // dc.block_size, tuple(dc.eos_ids), dc.mask_token_id,
       dc.kv_write, dc.temperature > 0, bool(accept_all), sampler.sampling_route(dc), int(dc.steps_per_sync),
-      int(dc.verify_every), mesh))
+      int(dc.verify_every), mesh, dc.weight_dtype, bool(fuse_projections), int(prefix_len)))
 
 
 def generate(drafter_config: Qwen3Config, drafter_params, verifier_config: Qwen3Config, verifier_params,
@@ -494,7 +502,8 @@ def generate(drafter_config: Qwen3Config, drafter_params, verifier_config: Qwen3
              max_prompt_len: int | None = None, return_device: bool = False, mesh=None) -> dict:
   """Speculative decoding of a batch of prompts (module docstring); numpy outputs + output_ids.
   `mesh`: as in `sampler.generate` (both models' params placed on it)."""
-  fn = decoder_for(drafter_config, verifier_config, decode_config, mesh=mesh)
+  fn = decoder_for(drafter_config, verifier_config, decode_config, mesh=mesh,
+                   prefix_len=prefix.resolve(decode_config.shared_prefix, prompts))
   return generate_with(fn, (drafter_params, verifier_params), prompts, decode_config, rng, max_prompt_len,
                        return_device, mesh)
 

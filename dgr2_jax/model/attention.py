@@ -24,14 +24,21 @@ Routes (`impl`, the model config's `attention_impl`):
     (`Ranges.causal`) roll each row so its tokens start at slot 0 (left padding becomes right
     padding, `key_value_seq_lengths`) and run `is_causal`; the multi-stream layout becomes three
     calls of that form (prompt causal; each clean block and each segment as its own batch item
-    whose visible keys are a prefix); any other range (the decoder's window) passes the ranges
-    as a boolean mask (a small `[B, 1, W, S]` bias without a backward). `DPA_IMPLEMENTATION`
-    lets tests run the same decomposition through XLA's implementation on CPU.
+    whose visible keys are a prefix, the segments in groups of at most one per block so that
+    replay's canvases copy the context no more than CFT does); any other range (the decoder's
+    window) passes the ranges as a boolean mask (a small `[B, 1, W, S]` bias without a
+    backward). `DPA_IMPLEMENTATION` lets tests run the same decomposition through XLA's
+    implementation on CPU.
   * 'splitkey': decode attention split over keys (flash-decoding), a Pallas kernel
     (model/decode_attention.py) for queries against a KV cache (`Ranges` with more keys than
     queries: the decoder's 1-slot AR step, its 32/64-slot window, a speculative round, the
     prompt's prefill); anything else (training's square layouts, `Streams`) runs 'blockwise'.
     Forward only. Off the GPU it runs in Pallas interpret mode (tests).
+  * 'pallas': block-sparse flash attention for training, forward and backward as Pallas
+    kernels (model/flash_pallas.py) over any `Ranges` or `Streams` (as per-query key intervals:
+    `_pallas_intervals`): key tiles no query of a tile sees are skipped, the mask is applied on
+    partial tiles only. Opt-in ('auto' does not pick it). Off the GPU it runs in Pallas interpret
+    mode (tests; `flash_pallas.INTERPRET`).
   * 'auto': on GPUs 'splitkey' for decode windows (at most DECODE_MAX_QUERIES queries against a
     cache) and 'cudnn' for everything else (training, the prompt's prefill); elsewhere
     'blockwise' (what the real presets use).
@@ -51,9 +58,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from dgr2_jax.model import decode_attention
+from dgr2_jax.model import decode_attention, flash_pallas
 
-IMPLS = ("auto", "xla", "blockwise", "cudnn", "splitkey")
+IMPLS = ("auto", "xla", "blockwise", "cudnn", "splitkey", "pallas")
 _NEG = -1e30  # finite: a query with no visible key gets a uniform (not NaN) softmax in 'xla'
 # What the 'cudnn' route passes to jax.nn.dot_product_attention; tests set None (XLA) on CPU.
 DPA_IMPLEMENTATION = "cudnn"
@@ -100,6 +107,8 @@ def attend(q, k, v, mask, impl: str = "xla", k_splits: int = 0):
     raise ValueError(f"model.attention_impl must be one of {IMPLS}, got {impl!r}")
   if impl == "auto":  # the fused kernels where they exist, else the memory-efficient pure-JAX route
     impl = auto_impl(q.shape[1], k.shape[1], mask, jax.default_backend())
+  if impl == "pallas" and isinstance(mask, (Ranges, Streams)):
+    return flash_pallas.flash_attention(q, k, v, *_pallas_intervals(mask, k.shape[1]))
   if isinstance(mask, Streams):
     return _streams(q, k, v, mask, "blockwise" if impl == "splitkey" else impl)
   if not isinstance(mask, Ranges):
@@ -122,6 +131,26 @@ def auto_impl(num_queries: int, num_keys: int, mask, backend: str) -> str:
   window = (isinstance(mask, Ranges) and not mask.causal and num_keys > num_queries
             and num_queries <= DECODE_MAX_QUERIES)
   return "splitkey" if window else "cudnn"
+
+
+# ---- 'pallas': key intervals ---------------------------------------------------------------------
+def _pallas_intervals(mask, num_keys: int):
+  """(lo1, hi1, lo2, hi2) [b, N] int32: query t sees keys [lo1, hi1) U [lo2, hi2). A `Ranges` is
+  the first interval; in `Streams` a context query has its context range, a segment query the
+  context keys [lo, segment_hi) and its own segment (model/flash_pallas.py)."""
+  ctx = mask.context if isinstance(mask, Streams) else mask
+  b, c = ctx.hi.shape
+  lo = jnp.broadcast_to(jnp.asarray(ctx.lo, jnp.int32)[:, None], (b, num_keys if isinstance(mask, Streams) else c))
+  none = jnp.zeros(lo.shape, jnp.int32)
+  if not isinstance(mask, Streams) or mask.segment_hi.shape[1] == 0:
+    return lo, ctx.hi, none, none
+  s = mask.segment_hi.shape[1]
+  bs = (num_keys - c) // s
+  own = c + bs * jnp.repeat(jnp.arange(s, dtype=jnp.int32), bs)               # [S*B] segment starts
+  hi1 = jnp.concatenate([ctx.hi, jnp.repeat(mask.segment_hi, bs, axis=1)], axis=1)
+  lo2 = jnp.concatenate([none[:, :c], jnp.broadcast_to(own, (b, s * bs))], axis=1)
+  hi2 = jnp.concatenate([none[:, :c], jnp.broadcast_to(own + bs, (b, s * bs))], axis=1)
+  return lo, hi1.astype(jnp.int32), lo2, hi2
 
 
 # ---- 'xla': dense ---------------------------------------------------------------------------------
@@ -389,12 +418,33 @@ def _cudnn_streams(q, k, v, m: Streams):
   if s == 0:
     return out_c.astype(v.dtype)
   seg_bs = (n - c) // s
-  qn = q[:, c:].reshape(b * s, seg_bs, kh, g, d)
   seg_len = m.segment_hi - lo[:, None]                                         # [b,S] visible context
   put = jax.vmap(jax.vmap(lambda a, x, i: jax.lax.dynamic_update_slice_in_dim(a, x.astype(a.dtype), i, axis=0)))
-  own = lambda x: x[:, c:].reshape(b, s, seg_bs, kh, d)
-  kx = put(jnp.broadcast_to(kc[:, None], (b, s) + kc.shape[1:]), own(k), seg_len).reshape(b * s, c, kh, d)
-  vx = put(jnp.broadcast_to(vc[:, None], (b, s) + vc.shape[1:]), own(v), seg_len).reshape(b * s, c, kh, d)
-  out_n = _dpa(qn, kx, vx, key_value_seq_lengths=(seg_len + seg_bs).reshape(-1))
-  return jnp.concatenate([out_c, out_n.reshape(b, s * seg_bs, kh, g, d).astype(out_c.dtype)],
-                         axis=1).astype(v.dtype)
+
+  def call(xs):  # segments [b, per, ...] -> outputs [b, per * B, K, G, D]
+    qs, ks, vs, ls = xs
+    per = ls.shape[1]
+    kx = put(jnp.broadcast_to(kc[:, None], (b, per) + kc.shape[1:]), ks, ls).reshape(b * per, c, kh, d)
+    vx = put(jnp.broadcast_to(vc[:, None], (b, per) + vc.shape[1:]), vs, ls).reshape(b * per, c, kh, d)
+    out = _dpa(qs.reshape(b * per, seg_bs, kh, g, d), kx, vx, key_value_seq_lengths=(ls + seg_bs).reshape(-1))
+    return out.reshape(b, per * seg_bs, kh, g, d)
+
+  # Each segment attends to its own copy of the context ([b * S, C] keys, k and v, and as many
+  # gradients): with replay's canvases per block that is S / nb times the clean blocks' copies.
+  # Segments go in groups of at most nb per call, the groups in a rematerialised lax.map, so the
+  # copies alive at once (forward and backward) are those of one group, as in CFT's one canvas.
+  groups = _segment_groups(s, max(nb, 1))
+  split = lambda x: jnp.moveaxis(x.reshape((b, groups, s // groups) + x.shape[2:]), 1, 0)
+  xs = (split(q[:, c:].reshape(b, s, seg_bs, kh, g, d)), split(k[:, c:].reshape(b, s, seg_bs, kh, d)),
+        split(v[:, c:].reshape(b, s, seg_bs, kh, d)), split(seg_len))
+  if groups == 1:
+    out_n = call(jax.tree_util.tree_map(lambda x: x[0], xs))
+  else:
+    out_n = jnp.moveaxis(jax.lax.map(jax.checkpoint(call), xs), 0, 1).reshape(b, s * seg_bs, kh, g, d)
+  return jnp.concatenate([out_c, out_n.astype(out_c.dtype)], axis=1).astype(v.dtype)
+
+
+def _segment_groups(s: int, most: int) -> int:
+  """The fewest equal groups of the S segments with at most `most` segments each."""
+  per = max(x for x in range(1, min(s, most) + 1) if s % x == 0)
+  return s // per

@@ -20,7 +20,7 @@ import ml_collections
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_KINDS = ("causal", "block_causal")
-ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "splitkey")  # dgr2_jax.model.attention.IMPLS
+ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "splitkey", "pallas")  # dgr2_jax.model.attention.IMPLS
 # Fields a run chooses and a checkpoint does not record (`with_runtime`).
 RUNTIME_FIELDS = ("dtype", "remat", "remat_policy", "scan_layers", "attention_impl", "attention_k_splits",
                   "logits_chunk", "logits_budget_bytes")
@@ -64,8 +64,9 @@ class Qwen3Config:
   scan_layers: bool = False
   # Attention route (model/attention.py): 'xla' (einsum over a dense mask), 'blockwise' (pure-JAX
   # online softmax, no [T, S] array), 'cudnn' (fused GPU kernels), 'splitkey' (decode attention
-  # split over keys, a Pallas kernel: model/decode_attention.py), 'auto' (on GPUs splitkey for
-  # decode windows and cudnn for the rest, else blockwise). Runtime only, like dtype/remat.
+  # split over keys, a Pallas kernel: model/decode_attention.py), 'pallas' (block-sparse flash
+  # attention for training, Pallas forward and backward: model/flash_pallas.py), 'auto' (on GPUs
+  # splitkey for decode windows and cudnn for the rest, else blockwise). Runtime only, like dtype/remat.
   attention_impl: str = "xla"
   # Key splits of 'splitkey' per call; 0 = enough for two thread blocks per SM at the call's batch
   # (decode_attention.num_splits). Runtime only.
@@ -298,8 +299,9 @@ def model_config() -> ml_collections.ConfigDict:
   c.remat = q.remat  # recompute each layer in the backward pass (less memory, more compute)
   # Attention route (dgr2_jax/model/attention.py): 'xla' (dense, fastest for tiny CPU models),
   # 'blockwise' (no [T, S] array; any device), 'cudnn', 'splitkey' (decode attention split over
-  # keys, docs/decode_attention.md), 'auto' (on GPUs splitkey for decode windows and cudnn for
-  # the rest, else blockwise).
+  # keys, docs/decode_attention.md), 'pallas' (block-sparse flash attention for training, forward
+  # and backward; opt-in, docs/training.md), 'auto' (on GPUs splitkey for decode windows and cudnn
+  # for the rest, else blockwise).
   c.attention_impl = q.attention_impl
   c.attention_k_splits = q.attention_k_splits   # key splits of 'splitkey'; 0 = two thread blocks per SM at the batch
   c.logits_chunk = q.logits_chunk         # positions per vocabulary chunk of the losses; 0 = 64 MiB of logits

@@ -93,13 +93,17 @@ def greedy_over_vocab(config, params, hidden, mask_id):
   m, v = h.shape[0], int(config.vocab_size)
   t = vocab_tile(config, m)
   tied = config.tie_word_embeddings
-  w = params["embed_tokens"]["embedding"] if tied else params["lm_head"]["kernel"]   # [V,E] | [E,V]
+  from dgr2_jax.model import qwen3
+  w, scale = qwen3.head_weight(config, params)   # [V,E] | [E,V]; scale [V] of a float8 head (decode_params)
+  w, h = qwen3.in_step(w, h)
 
   def tile(carry, i):
     top, tok, s = carry                                                       # [M] f32, int32, f32
     start = jnp.minimum(i * t, v - t)
     wt = jax.lax.dynamic_slice_in_dim(w, start, t, axis=0 if tied else 1).astype(dt)
     x = jnp.einsum("me,te->mt" if tied else "me,et->mt", h, wt, preferred_element_type=jnp.float32)
+    if scale is not None:
+      x = x * jax.lax.dynamic_slice_in_dim(scale, start, t)
     col = start + jnp.arange(t, dtype=jnp.int32)                              # [t]
     x = jnp.where((col == mask_id) | (col < i * t), -jnp.inf, x)              # [M,t]
     t_top = jnp.max(x, axis=-1)

@@ -66,6 +66,11 @@ def parse(prog: str, extra_flags=None) -> Launch:
       sys.exit(f"{prog}: --{name} must be >= 1, got {v}")
   if not 0 < timeout.value <= service_lib.ServeOptions.max_timeout_s:
     sys.exit(f"{prog}: --default_timeout_s must be in (0, {service_lib.ServeOptions.max_timeout_s}]")
+  from dgr2_jax.decode import xla_flags
+  try:   # the decode loop's GPU flags, before any JAX call (a Ray replica sets them again in `make_service`)
+    xla_flags.configure_gpu_flags()
+  except ValueError as e:
+    sys.exit(f"{prog}: {e}")
   config = config_flag.value
   try:   # fail before binding the socket on a missing model
     service_lib.resolve_models(config, workdir.value, model_dir.value, verifier_dir.value)
@@ -82,6 +87,8 @@ def parse(prog: str, extra_flags=None) -> Launch:
 def make_service(launch: Launch):
   """A function building the launch's `Service` (called where it serves: a thread, a replica)."""
   def make():
+    from dgr2_jax.decode import xla_flags
     from dgr2_jax.serve import service as service_lib
+    xla_flags.configure_gpu_flags()   # a replica's own process: before its first JAX call
     return service_lib.Service(launch.config, launch.workdir, launch.model_dir, launch.verifier_dir, launch.options)
   return make

@@ -23,7 +23,8 @@ import os
 import time
 
 from dgr2_jax import chain
-from dgr2_jax.decode import runtime
+from dgr2_jax.decode import prefix, runtime
+from dgr2_jax.model import qwen3
 from dgr2_jax.serve import engine as engine_lib
 from dgr2_jax.serve import slots as slots_lib
 from dgr2_jax.task import answer as answer_lib
@@ -103,6 +104,9 @@ class Service:
     mc, params = runtime.load_on_device(self.model_dir, config.get("model"))
     self.model_config = mc
     self.dc = runtime.decode_config(config, self.tids, mc)
+    # Prepared for decoding once (per layer, projections fused, kernels in decode.weight_dtype): the
+    # decoders' own qwen3.decode_params then does nothing, and no second copy of the weights is kept.
+    params = qwen3.decode_params(mc, params, self.dc.weight_dtype)
     self.max_new_tokens = self.dc.max_new_tokens
     o = options
     engines = {}
@@ -112,6 +116,7 @@ class Service:
                                                  o.early_exit)
     if self.verifier_dir and ("ar" in o.modes or "speculative" in o.modes):
       vc, vparams = runtime.load_on_device(self.verifier_dir, config.get("model"))
+      vparams = qwen3.decode_params(vc, vparams, self.dc.weight_dtype)
       if "ar" in o.modes:
         # The AR models decode left to right, as the eval ladder decodes them.
         c_ar = config.copy_and_resolve_references()
@@ -131,8 +136,25 @@ class Service:
                                       max_prompt_len=p)
         engines["speculative"] = engine_lib.StaticEngine("speculative", spec_fn, o.slots, o.max_queue)
     self.engines = engines
+    self.shared_prefix = self._set_shared_prefix(engines)
     self.modes = tuple(m for m in MODES if m in engines)
     self.scheduler = engine_lib.Scheduler(engines)
+
+  def _set_shared_prefix(self, engines: dict) -> int:
+    """`decode.shared_prefix` != 0: the token prefix of every re-rank prompt (the system message and
+    instructions: the common prefix of probe prompts that differ from their first history item on,
+    `prefix.resolve`) is prefilled once by each slot engine (serve/slots.py). -> its length."""
+    if self.dc.shared_prefix == 0:
+      return 0
+    ni, nc = len(self.items), self.num_candidates
+    probes = [pipeline_lib.encode_prompt(self.tokenizer, self.example(h, [(i + k) % ni for i in range(nc)]),
+                                         self.items, self.sids, self.task)[0]
+              for k, h in enumerate(([], [0], [1 % ni]))]
+    n = prefix.resolve(self.dc.shared_prefix, probes)
+    for eng in engines.values():
+      if hasattr(eng, "decoder"):   # slot engines; the speculative one finds the prefix per batch
+        eng.decoder.set_prefix(probes[0][:n])
+    return n
 
   # ---- request fields -------------------------------------------------------------------------
   def _items(self, body: dict, field: str, allow_empty: bool) -> list[int]:

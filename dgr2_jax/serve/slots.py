@@ -19,6 +19,11 @@ decoder's for the same prompt whatever shares the slots (tests/test_serve.py).
 Empty or finished slots idle (their window still runs: static shapes); `step` returns how many
 iterations ran and how many of them each slot was busy, the engine's wasted row-iterations.
 Temperature, top-k/p and the step budget are the engine's (traced), not per request.
+
+Shared prefix (`set_prefix`, decode/prefix.py): a prompt prefix the requests share (the re-ranking
+prompt's system message and instructions) is prefilled once for the decoder's life; a prompt that
+starts with it (and is longer) gets its K/V copied into the slot at the prompt's pad offset and
+prefills only its slots after the prefix (`prefill_stats` counts the slots run per request).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dgr2_jax.decode import sampler
+from dgr2_jax.decode import prefix, sampler
 from dgr2_jax.model import masks, qwen3
 from dgr2_jax.model.config import Qwen3Config
 
@@ -40,7 +45,8 @@ class SlotDecoder:
     self.dc = dc
     mc = sampler.model_for_decoding(model_config, dc)
     self.config = mc.replace(scan_layers=False)
-    self.params = qwen3.unstack_layers(params)   # per-layer params for the KV cache, once
+    # per layer (the KV cache), projections fused, kernels in dc.weight_dtype: once (qwen3.decode_params)
+    self.params = qwen3.decode_params(self.config, params, dc.weight_dtype)
     self.bsz = dc.block_size
     self.num_blocks = dc.max_new_tokens // dc.block_size
     self.r = self.num_blocks * self.bsz
@@ -52,6 +58,21 @@ class SlotDecoder:
     self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
     self._step = jax.jit(self._step_fn, donate_argnums=(1,))
     self._release = jax.jit(lambda st, slot: dict(st, done=st["done"].at[slot].set(True)), donate_argnums=(0,))
+    self.prefix_tokens, self.prefix_kv = (), None
+    # Prefills run, the prompt slots they ran through the model, and how many reused the prefix.
+    self.prefill_stats = dict(requests=0, slots=0, reused=0)
+
+  def set_prefix(self, tokens) -> int:
+    """Prefills `tokens`, a prompt prefix later requests share, once (module docstring); at most
+    prompt_slots - 1 tokens (every prompt prefills its last token itself); empty = none.
+    -> the prefix length kept."""
+    tokens = [int(t) for t in tokens]
+    if len(tokens) > self.p - 1:
+      raise ValueError(f"shared prefix: {len(tokens)} tokens, more than prompt_slots - 1 = {self.p - 1}")
+    self.prefix_tokens = tuple(tokens)
+    fn = jax.jit(lambda params, t: prefix.prefix_cache(self.config, params, t))
+    self.prefix_kv = fn(self.params, np.asarray(tokens, np.int32)) if tokens else None
+    return len(tokens)
 
   # ---- state ----------------------------------------------------------------------------------
   def init_state(self) -> dict:
@@ -81,8 +102,14 @@ class SlotDecoder:
     limit = self.num_blocks if max_new_tokens is None else -(-int(max_new_tokens) // self.bsz)
     if not 1 <= limit <= self.num_blocks:
       raise ValueError(f"max_new_tokens must be in [1, {self.r}], got {max_new_tokens}")
+    n = len(self.prefix_tokens)
+    reuse = 0 < n < len(prompt) and tuple(prompt[:n]) == self.prefix_tokens
+    st = self.prefill_stats
+    st["requests"] += 1
+    st["slots"] += self.p - n if reuse else self.p
+    st["reused"] += int(reuse)
     return self._prefill(self.params, state, np.int32(slot), tokens[0], lengths[0],
-                         np.float32(threshold), rng, np.int32(limit))
+                         np.float32(threshold), rng, np.int32(limit), self.prefix_kv if reuse else None)
 
   def release(self, state, slot: int):
     """Marks `slot` empty (a cancelled or expired request): it idles from the next step on."""
@@ -97,14 +124,16 @@ class SlotDecoder:
                       np.float32(dc.top_p), np.int32(dc.steps_per_block), np.bool_(stop_on_finish))
 
   # ---- jitted ---------------------------------------------------------------------------------
-  def _prefill_fn(self, params, state, slot, tokens, length, threshold, rng, limit):
+  def _prefill_fn(self, params, state, slot, tokens, length, threshold, rng, limit, pcache=None):
     p, s = self.p, self.p + self.r
     plen = length[None]
     pos = masks.left_pad_positions(plen, p, s)                           # [1,S]
     row = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)
     cache1 = jax.tree_util.tree_map(row, state["cache"])                 # this slot's cache rows
-    hidden, cache1 = sampler.window_forward(self.config, params, tokens[None], 0, cache1, plen, p, pos,
-                                            return_hidden=True)
+    run = lambda t, start, cache: sampler.window_forward(self.config, params, t, start, cache, plen, p, pos,
+                                                         return_hidden=True)
+    n = 0 if pcache is None else jax.tree_util.tree_leaves(pcache)[0].shape[1]   # the shared prefix's K/V
+    hidden, cache1 = prefix.prefill(self.config, params, tokens[None], plen, cache1, n, p, run, pcache)
     put = lambda x, v: jax.lax.dynamic_update_slice_in_dim(x, v.astype(x.dtype), slot, axis=0)
     st = dict(state)
     st["cache"] = jax.tree_util.tree_map(put, state["cache"], cache1)

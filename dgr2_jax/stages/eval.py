@@ -11,7 +11,11 @@ parses every output (invalid => the retriever's order, counted as a fallback) an
   flags, target, target_pos, rank (1-based rank used for scoring), fallback, nfe, commit_steps, reasoning_tokens;
 - `metrics.json`: recall@1, recall@3, ndcg@3, valid_rate, duplicate_rate, omission_rate,
   out_of_set_rate, unparseable_rate, fallback_rate, mean_nfe, mean_reasoning_tokens, n, plus
-  the pre-rank floor of the same examples and the settings used.
+  the pre-rank floor of the same examples and the settings used;
+- `schedule.json` (threshold decoding by the stage's own decoder, not a `generate_fn` passed in):
+  each answer's tokens committed per denoising step, with the model, block size, tau and the rest
+  of the decode settings (decode/schedule.py's format), read back from `commit_steps` after
+  decoding: `benchmarks/decode_throughput.py --schedule` replays it.
 The batches decode on the decode mesh (`config.decode.mesh`, decode/mesh.py): each batch's rows
 split over its data axis, the model over its tensor axis; the outputs are one device's.
 The tokenizer is the model directory's when it has one, else the traces stage's.
@@ -32,6 +36,8 @@ import tqdm
 from dgr2_jax import chain
 from dgr2_jax.decode import mesh as dmesh
 from dgr2_jax.decode import runtime
+from dgr2_jax.decode import sampler
+from dgr2_jax.decode import schedule as schedule_lib
 from dgr2_jax.stages import common
 from dgr2_jax.stages import contract
 from dgr2_jax.stages import traces as traces_stage
@@ -67,6 +73,19 @@ def verifier_dir(config, workdir: str) -> str | None:
 
 
 
+
+
+def commit_schedule(config, dcfg, records: list[dict], mesh) -> dict:
+  """decode/schedule.py's object of threshold-decoded `records`: each answer's commits per step
+  (from its `commit_steps`, so recording changes nothing the decoder runs) and the decode settings."""
+  ec = config.eval
+  answers = [dict(example_id=r["example_id"], prompt_len=r["prompt_len"], nfe=r["nfe"],
+                  commits=schedule_lib.commits_per_step(r["commit_steps"])) for r in records]
+  rows_per_device = -(-ec.batch_size // dmesh.data_size(mesh))   # what resolved kv_write 'auto'
+  return schedule_lib.make(
+      answers, model=ec.model_dir, split=ec.split, block_size=dcfg.block_size, threshold=float(dcfg.threshold),
+      steps_per_block=dcfg.steps_per_block, temperature=float(dcfg.temperature), max_new_tokens=dcfg.max_new_tokens,
+      kv_write=sampler.resolve_kv_write(dcfg.kv_write, rows_per_device))
 
 
 def _hash(config, workdir: str, upstream: dict) -> str:
@@ -110,6 +129,7 @@ def _build(config, workdir: str, build: contract.Build, generate_fn=None, models
   mesh = dmesh.from_config(config)   # rows over data, the model over tensor (None: one device)
   if ec.model_dir:
     model_config, params = runtime.load_on_device(ec.model_dir, config.get("model"), models, mesh)
+  record = generate_fn is None and not verifier   # the schedule of this stage's own threshold decoder
   if generate_fn is None:
     if verifier:
       generate_fn = runtime.speculative_generate(verifier, config.get("model"), models, mesh)
@@ -149,6 +169,8 @@ def _build(config, workdir: str, build: contract.Build, generate_fn=None, models
         for r in records:
           f.write(json.dumps(r, ensure_ascii=False) + "\n")
     common.write_json_atomic(os.path.join(tmp, "metrics.json"), metrics)
+    if record and records:   # one process writes (fileio's writers)
+      schedule_lib.write(os.path.join(tmp, schedule_lib.FILENAME), commit_schedule(config, dcfg, records, mesh))
   return build.out
 
 

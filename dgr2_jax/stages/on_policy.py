@@ -88,7 +88,9 @@ def load_policy(config, model_dir: str):
 
 def rollout_decode_config(config, tids, model_config, temperature: float):
   dc = runtime.decode_config(config, tids, model_config)
-  return dataclasses.replace(dc, temperature=float(temperature))
+  # Rollouts decode with the weights being trained, never float8 copies (decode.weight_dtype is
+  # eval's and serving's): the loss scores them under those weights, so they must be on-policy.
+  return dataclasses.replace(dc, temperature=float(temperature), weight_dtype="")
 
 
 def score_rollouts(roll: dict, prompts: dict, group_size: int, task: dict, alpha: float) -> dict:

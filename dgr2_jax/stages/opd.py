@@ -156,6 +156,8 @@ def distillation(config, oc, task: dict, src: str, teacher_dir: str) -> Distilla
 
   kw = dict(block_size=bs, teacher_cache=mode, mask_id=mask_id)
   loss = functools.partial(opd.opd_loss, student_cfg, teacher_config=tcfg, **kw)
+  if mode == "none":  # held for the whole stage: in the compute dtype (exact, half an f32 copy)
+    tparams = opd.frozen_teacher(tcfg, tparams)
   frozen = tparams if mode == "none" else None
   kl_jit = jax.jit(lambda p, b, t: opd.token_kl(student_cfg, p, b, teacher=(tcfg, t) if mode == "none" else None,
                                                 **kw))

@@ -5,16 +5,23 @@ normally) and the train split's prompts; writes `workdir/rl/model`, `workdir/rl/
 (checkpoints, metrics.jsonl, tensorboard) and DONE.json. The same trainer serves the AR teacher
 (stage `teacher_rl`: B = 1 rollouts and replay on the SFT model).
 
-Per step (`rollouts.train_on_policy`): `rl.prompts_per_step` prompts x `rl.group_size` rollouts
-are decoded from the CURRENT params (`config.decode`, temperature `rl.temperature`), parsed and
-rewarded, group advantages computed (zero-variance groups dropped: their tokens get loss mask 0),
-and one optimizer step of `grpo.grpo_loss` is taken on the replayed log-probs (one update per
-batch, so the PPO ratio is 1 at the start of every step unless train.grad_accum_steps splits it;
-the clip matters once updates reuse rollouts). With `rl.kl_coef > 0` a frozen copy of the starting
-params supplies `ref_logp`. A step in which no group has reward variance (on any process) makes
-no update (`rollouts.on_policy_batches`). Metrics: loss, policy_loss, clip_fraction, ratio_mean,
-kl_ref, reward mean/std, valid_rate, overlong_rate, groups_dropped (1 - the informative share),
-update_skipped, mean_nfe, rollout/update time.
+Per step (`rollouts.on_policy_batches` in `loop.train`): `rl.prompts_per_step` prompts x
+`rl.group_size` rollouts are decoded from the CURRENT params (`config.decode`, temperature
+`rl.temperature`), parsed and rewarded, group advantages computed (zero-variance groups dropped:
+their tokens get loss mask 0), and one optimizer step of `grpo.grpo_loss` is taken on the replayed
+log-probs (one update per batch, so the PPO ratio is 1 at the start of every step unless
+train.grad_accum_steps splits it; the clip matters once updates reuse rollouts). With `rl.kl_coef` >
+0 a frozen copy of the starting params supplies `ref_logp`. A step in which no group has reward
+variance (on any process) makes no update (`rollouts.on_policy_batches`). With `rl.dynamic_sampling`
+D > 1 (DAPO's dynamic sampling) a step draws up to D prompt batches from the same prompt iterator,
+stopping once `rl.min_informative_groups` groups (0 = prompts_per_step; counted over all processes)
+have reward variance, and makes one update on the kept groups of every draw (train batch: D x the
+rows of a draw, undrawn draws masked; D x train.grad_accum_steps micro-batches). Metrics: loss,
+policy_loss, clip_fraction, ratio_mean, kl_ref (the mean k3 KL to the starting model over the loss
+tokens, when kl_coef > 0), reward mean/std, valid_rate, overlong_rate, groups_dropped (1 - the
+informative share), update_skipped, mean_nfe, rollout/update time; with D > 1 also draws,
+informative_groups (in the update) and informative_fraction (of every group drawn), the draws'
+metrics averaged.
 `grpo_stage` declares both this stage and `teacher_rl` (the AR teacher's RL); `train_grpo` trains.
 """
 
@@ -49,6 +56,12 @@ def _settings(config, workdir: str, stage: str, overrides: dict | None):
 
 def _hash(config, workdir: str, upstream: dict, stage: str, overrides: dict | None) -> str:
   config, rc, src = _settings(config, workdir, stage, overrides)
+  if grpo.sampling_settings(rc)[0] == 1:  # one draw per step: the same run as before these fields existed
+    rc = rc.copy_and_resolve_references()
+    with rc.unlocked():
+      for k in ("dynamic_sampling", "min_informative_groups"):
+        if k in rc:
+          del rc[k]
   return common.config_hash(config.seed, rc, config.decode, config.task, config.train.mesh,
                             config.train.optimizer, src, common.model_hash(src), upstream["traces"],
                             workdir=workdir)
@@ -114,14 +127,17 @@ def train_grpo(config, workdir: str, build: contract.Build, rc, src: str) -> str
 
   pps = int(rc.prompts_per_step)
   steps = int(rc.steps)
-  tconf = on_policy.on_policy_config(config, rows=pps * g, steps=steps, lr=rc.lr, grad_accum=rc.grad_accum_steps)
+  draws, target = grpo.sampling_settings(rc)
+  # Dynamic sampling: the batch of every draw the step may make, in as many more micro-batches.
+  tconf = on_policy.on_policy_config(config, rows=draws * pps * g, steps=steps, lr=rc.lr,
+                                     grad_accum=draws * int(rc.grad_accum_steps))
   loss_fn = functools.partial(grpo.grpo_loss, policy_cfg, block_size=bs, objective=grpo.Objective(
       clip_low=float(rc.clip_eps), clip_high=float(rc.clip_eps_high), kl_coef=kl_coef), **dist)
-  state = rollouts.train_on_policy(tconf, train_dir, params=params, loss_fn=loss_fn, make_batch=make_batch,
-                                   prompt_iter=on_policy.prompt_iterator(task["prompts"], pps, int(config.seed)),
-                                   desc=stage,
-                                   validation=loop.Validation(on_policy.validator(config, workdir, rc, policy_cfg, dc),
-                                                              int(rc.get("valid_every", 0)),
-                                                              bool(rc.get("keep_best", False))))
+  prompt_iter = on_policy.prompt_iterator(task["prompts"], pps, int(config.seed))
+  state = loop.train(tconf, train_dir, params=params, loss_fn=loss_fn, desc=stage,
+                     step_batches=rollouts.on_policy_batches(make_batch, prompt_iter, int(config.seed),
+                                                             rollouts.DynamicSampling(draws, target, g)),
+                     validation=loop.Validation(on_policy.validator(config, workdir, rc, policy_cfg, dc),
+                                                int(rc.get("valid_every", 0)), bool(rc.get("keep_best", False))))
   extra = {"steps": steps, "source": src, "examples": task["counts"], "best_step": state["best_step"]}
   return on_policy.publish(build, on_policy.Trained(state, mc, rc, extra), task, train_dir)

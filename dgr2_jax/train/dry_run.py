@@ -13,7 +13,10 @@ configs prints on a laptop CPU. Per device:
   * per training stage (sft, teacher_rl, cft, opd, rl): activations, logits (in chunks of
     positions) and OPD's teacher cache, plus the rollout decode, by the formulas of
     `dgr2_jax/train/memory_plan.py` (the ones benchmarks/stage_memory.py measures on CPU); OPD
-    also holds a frozen copy of the teacher's params. The plan fits when its largest stage does.
+    also holds a frozen copy of the teacher's params (in the compute dtype when the step scores
+    the teacher, `opd.frozen_teacher`). The plan fits when its largest stage does.
+    `step_bytes` is one stage's training step alone (benchmarks/train_step.py compares it
+    with XLA's plan and the measured peak).
   * decode KV cache for `eval.batch_size` rows of prompt_len + decode.max_new_tokens (inference).
 The model is `model.init_from`'s config.json when set (weights are not read), else the
 architecture fields of `config.model` (vocab_size 0 => task.demo_vocab_size, an estimate).
@@ -36,7 +39,8 @@ from jax.sharding import AbstractMesh, NamedSharding
 from dgr2_jax import checks
 from dgr2_jax.model import qwen3
 from dgr2_jax.model.config import Qwen3Config
-from dgr2_jax.train import memory_plan, optim
+from dgr2_jax.train import memory_plan, opd, optim
+from dgr2_jax.train.config import section
 from dgr2_jax.train import mesh as mesh_lib
 
 GIB = 2**30
@@ -94,36 +98,62 @@ def _leaves(tree):
   return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
-def plan(config) -> dict:
-  mc, src = model_config_for(config)
-  n_dev = int(config.hardware.num_devices) or jax.device_count()
+def state_bytes(config, mc, num_devices: int) -> dict:
+  """Per-device bytes of the train state on `config.train.mesh` over `num_devices` devices, sharded
+  as the training loop shards it: params and gradients in `train.param_dtype` (master weights),
+  the optimizer's state, and a frozen copy of the params (OPD's teacher). Also the mesh dims and the parameter count."""
   tc = config.train
-  dims = mesh_lib.mesh_shape(tc.mesh, n_dev)
+  dims = mesh_lib.mesh_shape(tc.mesh, num_devices)
   mesh = AbstractMesh(tuple(dims), mesh_lib.AXES)
   rules = tuple(tc.logical_axis_rules)
   master = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[tc.param_dtype]
-
   shapes = qwen3.param_shapes(mc)
   shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, master), shapes)
   p_sh = mesh_lib.param_shardings(shapes, mesh, rules)
   optimizer, _ = optim.make_optimizer(tc.optimizer, int(tc.total_steps))
   o_shapes = jax.eval_shape(optimizer.init, shapes)
   o_sh = mesh_lib.opt_state_shardings(o_shapes, shapes, p_sh, mesh)
-  n_params = qwen3.count_params(shapes)
   params_b = _sharded_bytes(shapes, p_sh)
-  opt_b = _sharded_bytes(o_shapes, o_sh)
-  grads_b = params_b
+  # OPD's teacher scored in the step (teacher_cache 'none') is held in the compute dtype
+  # (opd.frozen_teacher); a teacher that fills a cache stays as loaded.
+  mode = section(config, "opd", opd.opd_config).get("teacher_cache", "none")
+  frozen_dt = mc.param_dtype if mode != "none" or mc.dtype == "auto" else mc.dtype
+  return {"dims": tuple(dims), "num_params": qwen3.count_params(shapes), "params": params_b,
+          "optimizer": _sharded_bytes(o_shapes, o_sh), "gradients": params_b,
+          "frozen": params_b * _dtype_bytes(frozen_dt) // _dtype_bytes(tc.param_dtype)}
+
+
+def step_bytes(config, mc, stage: str, num_devices: int) -> dict:
+  """One training step of `stage` per device as the dry run plans it, the rollout decode left
+  out: `memory_plan.plan_stage`'s row plus the state (`state_bytes`; the frozen teacher in OPD's
+  row only) and `train_step`, their sum (benchmarks/train_step.py prints it beside XLA's plan and
+  the measured peak)."""
+  st = state_bytes(config, mc, num_devices)
+  row = memory_plan.plan_stage(config, mc, stage, st["dims"])
+  row.update(params=st["params"], optimizer=st["optimizer"], gradients=st["gradients"],
+             frozen_teacher=st["frozen"] if stage == "opd" else 0)
+  row["train_step"] = st["params"] + st["optimizer"] + st["gradients"] + row["frozen_teacher"] + row["total"]
+  return row
+
+
+def plan(config) -> dict:
+  mc, src = model_config_for(config)
+  n_dev = int(config.hardware.num_devices) or jax.device_count()
+  tc = config.train
+  st = state_bytes(config, mc, n_dev)
+  dims, n_params = st["dims"], st["num_params"]
+  params_b, opt_b, grads_b = st["params"], st["optimizer"], st["gradients"]
+  rules = tuple(tc.logical_axis_rules)
 
   # Per training stage: activations, logits and teacher cache (dgr2_jax/train/memory_plan.py, the
   # formulas benchmarks/stage_memory.py checks against measurements).
   on = tuple(config.pipeline.stages) if "pipeline" in config else memory_plan.TRAIN_STAGES
-  frozen_b = params_b * _dtype_bytes(mc.param_dtype) // _dtype_bytes(tc.param_dtype)  # a frozen teacher/ref copy
   stages = []
-  for st in memory_plan.TRAIN_STAGES:
-    if st not in on:
+  for st_name in memory_plan.TRAIN_STAGES:
+    if st_name not in on:
       continue
-    row = memory_plan.plan_stage(config, mc, st, dims)
-    teacher = frozen_b if st == "opd" else 0
+    row = memory_plan.plan_stage(config, mc, st_name, dims)
+    teacher = st["frozen"] if st_name == "opd" else 0  # a frozen teacher/ref copy
     row["frozen_teacher"] = teacher
     row["total_train"] = params_b + opt_b + grads_b + teacher + max(row["total"], row["decode"])
     stages.append(row)

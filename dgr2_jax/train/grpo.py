@@ -8,7 +8,9 @@ passed as `None`) gets R = -1 and stays in its group.
 
 Advantages (`group_advantages`): rewards come in consecutive groups of G rollouts of one prompt;
 A = (R - mean) / std within the group (population std, ddof 0). A group whose rewards have
-std <= 1e-6 has no defined advantage and is dropped (keep_mask 0, A = 0).
+std <= 1e-6 has no defined advantage and is dropped (keep_mask 0, A = 0). DAPO's dynamic sampling
+(`dynamic_sampling` > 1, `min_informative_groups`; train/rollouts.py) draws more prompt batches in
+a step until enough groups have reward variance, and trains on the kept groups of every draw.
 
 Objective (`ppo_terms`, DAPO token-level): with rho = exp(logp - old_logp) per committed token,
     J = sum_tokens min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) / (number of tokens in the batch)
@@ -57,6 +59,11 @@ def rl_config() -> ml_collections.ConfigDict:
   # and test; an inserted target is one the prompt's evidence rarely points to).
   c.prompt_pool = "all"
   c.grad_accum_steps = 1  # micro-batches per optimiser step
+  # DAPO dynamic sampling: up to this many prompt batches per step, until min_informative_groups
+  # groups (all processes) have reward variance; 1 = one batch per step. The update's batch has the
+  # shape of all draws (undrawn ones masked), as many more micro-batches as draws (same memory).
+  c.dynamic_sampling = 1
+  c.min_informative_groups = 0  # groups with reward variance that end a step's drawing (0 = prompts_per_step)
   c.replay_max_segments = 8    # replay canvases per block: as opd.opd_config() explains
   c.rollout_batch_size = 0     # rows decoded per call (0 = all at once): as opd.opd_config() explains
   # Validation curve: greedy Recall@1 on the first `valid_prompts` validation users before the
@@ -178,9 +185,30 @@ def validate(config, runs: set, section: str = "rl") -> None:
     if not 0.0 < float(c[section][f]) < 1.0:
       checks.fail(f"{section}.{f}", f"must be in (0, 1), got {c[section][f]}")
   checks.one_of(c, section, "prompt_pool", PROMPT_POOLS)
+  _validate_sampling(c, section)
   if not checks.is_int(c[section].get("rollout_batch_size", 0), 0):
     checks.fail(f"{section}.rollout_batch_size", f"must be an int >= 0 (0 = all rollouts at once), got "
                 f"{c[section].rollout_batch_size!r}")
+
+
+def _validate_sampling(c, section: str) -> None:
+  """dynamic_sampling an int >= 1; min_informative_groups an int in [0, dynamic_sampling x
+  prompts_per_step] (more could never be reached)."""
+  from dgr2_jax import checks
+  sc = c[section]
+  draws = sc.get("dynamic_sampling", 1)
+  if not checks.is_int(draws, 1):
+    checks.fail(f"{section}.dynamic_sampling", f"must be an int >= 1 (1 = one prompt batch per step), got {draws!r}")
+  target, most = sc.get("min_informative_groups", 0), int(draws) * int(sc.prompts_per_step)
+  if not checks.is_int(target, 0) or target > most:
+    checks.fail(f"{section}.min_informative_groups", f"must be an int in [0, dynamic_sampling x prompts_per_step = "
+                f"{most}] (0 = prompts_per_step), got {target!r}")
+
+
+def sampling_settings(sc) -> tuple[int, int]:
+  """(max draws per step, informative groups that end a step's drawing) of an RL section."""
+  draws = int(sc.get("dynamic_sampling", 1))
+  return draws, int(sc.get("min_informative_groups", 0)) or int(sc.prompts_per_step)
 
 
 def validate_teacher_rl(config, runs: set) -> None:

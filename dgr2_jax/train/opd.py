@@ -147,6 +147,16 @@ def ar_teacher_hidden(teacher_config, teacher_params, prompt, prompt_len, clean)
                                 {"prompt_ids": prompt, "prompt_len": prompt_len, "response_ids": clean})
 
 
+def frozen_teacher(teacher_config, teacher_params):
+  """The AR teacher's params as an OPD step holds them (teacher_cache 'none'): every floating leaf
+  in the compute dtype. Exact: the model casts each weight to the compute dtype before using it
+  (dense kernels, the embedding, the norms' scales, the LM head), so a bf16 teacher scores
+  exactly as its f32 master weights do, in half the bytes (tests/test_train_step_memory.py)."""
+  dt = teacher_config.jnp_dtype
+  cast = lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dt else x
+  return jax.jit(lambda t: jax.tree_util.tree_map(cast, t))(teacher_params)
+
+
 def ar_teacher_cache(teacher_config, teacher_params, prompt, prompt_len, clean, *, top_k: int = 0,
                      mask_id=None) -> dict:
   """The AR teacher's causal next-token distributions on prompt + rollout, as a cache (projected to

@@ -21,10 +21,26 @@ on the result. Set-up, checks, resume, the data-iterator state, the NaN guard, v
 metric sinks are `loop.train`'s; `make_batch`'s host metrics (reward, NFE, ...) and the rollout
 time are logged with the step's metrics. The rollout key of step s is `fold_in(PRNGKey(seed + 1),
 s)`, so a resumed run replays exactly.
+
+Dynamic sampling (DAPO; `DynamicSampling`, the RL stages' `dynamic_sampling` and
+`min_informative_groups`): a step may draw up to `max_draws` prompt batches, one after another
+from the same `prompt_iter` (its checkpointed position then covers every draw, so a resumed run
+replays the same draws). Draw d > 0 rolls out with `fold_in(step key, d)`. After each draw the
+groups with a loss token (a group without reward variance has its loss mask zeroed) are counted
+over all processes, so every process takes the same decision; the step stops once the count
+reaches `min_informative` or after `max_draws` draws. The train batch always has the static
+shape of `max_draws` draws (`train.batch_size` = max_draws x rows per draw, the micro-batch count
+scaled alike so a micro-batch keeps its size): the draws made, then copies of the first draw with
+loss mask 0 in place of the draws not made. The token-level loss is normalised over the loss
+tokens, so it is the mean over the kept groups of every draw made, and the padding only costs
+update time. No loss token in any draw: no update, as with one draw. Each process's rows are its
+share of every draw (its rows of draw 0, then of draw 1, ...): the global row order then depends
+on the process count, the loss (a sum over tokens) does not. `max_draws` 1 is the plain step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -160,8 +176,52 @@ def left_to_right_commit_steps(commit_step: np.ndarray) -> np.ndarray:
   return np.where(commit_step >= 0, np.arange(r)[None], -1).astype(commit_step.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class DynamicSampling:
+  """DAPO's dynamic sampling (module docstring): up to `max_draws` prompt batches per step, until
+  `min_informative` groups of `group_size` rollouts (over all processes) have a loss token."""
+  max_draws: int = 1
+  min_informative: int = 1
+  group_size: int = 1
+
+
+def informative_groups(loss_mask: np.ndarray, group_size: int) -> int:
+  """The groups of `group_size` consecutive rows with at least one loss token."""
+  m = np.asarray(loss_mask).reshape(-1, group_size * int(np.prod(np.shape(loss_mask)[1:], dtype=int)))
+  return int(m.any(-1).sum())
+
+
+def _pad_draws(draws: list[dict], max_draws: int) -> dict:
+  """The draws' batches one after another, then copies of the first with loss mask 0 (and zero
+  advantages) up to `max_draws`: real inputs, so the padding's replay stays finite."""
+  pad = {k: (np.zeros_like(v) if k in ("loss_mask", "advantages") else v) for k, v in draws[0].items()}
+  parts = list(draws) + [pad] * (max_draws - len(draws))
+  return {k: np.concatenate([np.asarray(pt[k]) for pt in parts]) for k in draws[0]}
+
+
+def _sample_dynamically(make_batch, prompt_iter, params, key, ds: DynamicSampling) -> tuple[dict | None, dict]:
+  """One step's draws (module docstring) -> (padded batch or None, host metrics): the draws'
+  metrics averaged over the draws made and the processes, plus `draws`, `informative_groups`
+  (global, in the update) and `informative_fraction` (of every group drawn)."""
+  draws, metrics, found, groups = [], [], 0, 0
+  for d in range(int(ds.max_draws)):
+    batch, host_m = make_batch(params, next(prompt_iter), key if d == 0 else jax.random.fold_in(key, d))
+    local = [informative_groups(batch["loss_mask"], ds.group_size), len(batch["loss_mask"]) // ds.group_size]
+    values = multihost.allgather("dynamic_sampling", [float(x) for x in host_m.values()] + local)
+    metrics.append({n: float(np.mean(v)) for n, v in zip(host_m, zip(*values))})
+    found += sum(int(v[-2]) for v in values)
+    groups += sum(int(v[-1]) for v in values)
+    draws.append(batch)
+    if found >= ds.min_informative:
+      break
+  host_m = {n: float(np.mean([m[n] for m in metrics])) for n in metrics[0]}
+  host_m.update(draws=float(len(draws)), informative_groups=float(found),
+                informative_fraction=found / max(groups, 1), update_skipped=float(found == 0))
+  return (None if found == 0 else _pad_draws(draws, int(ds.max_draws))), host_m
+
+
 def on_policy_batches(make_batch: Callable[[dict, dict, jax.Array], tuple[dict, dict]], prompt_iter,
-                      seed: int) -> loop.StepBatches:
+                      seed: int, sampling: DynamicSampling | None = None) -> loop.StepBatches:
   """`loop.train`'s step-batch source for on-policy stages: step s draws the next prompts from
   `prompt_iter` and calls `make_batch(params, prompts, fold_in(PRNGKey(seed + 1), s))` with the
   current params. Its host metrics (this process's rows) are averaged over the processes and
@@ -169,12 +229,17 @@ def on_policy_batches(make_batch: Callable[[dict, dict, jax.Array], tuple[dict, 
 
   A batch with no loss token on any process (`loss_mask` all 0: every GRPO group without reward
   variance) makes no update (`update_skipped` 1): its gradient is zero, and Adam would still move
-  the params on its momentum."""
+  the params on its momentum. `sampling` with `max_draws` > 1: dynamic sampling (module docstring)."""
   rollout_root = jax.random.PRNGKey(int(seed) + 1)
+  dynamic = sampling is not None and int(sampling.max_draws) > 1
 
   def make(params, step: int):
     t0 = time.perf_counter()
-    batch, host_m = make_batch(params, next(prompt_iter), jax.random.fold_in(rollout_root, step))
+    key = jax.random.fold_in(rollout_root, step)
+    if dynamic:
+      batch, host_m = _sample_dynamically(make_batch, prompt_iter, params, key, sampling)
+      return batch, dict(host_m, rollout_time_s=time.perf_counter() - t0)
+    batch, host_m = make_batch(params, next(prompt_iter), key)
     rows = int(np.asarray(batch["loss_mask"]).any(-1).sum()) if "loss_mask" in batch else 1
     values = multihost.allgather("rollout_metrics", [float(x) for x in host_m.values()] + [rows])
     host_m = {n: float(np.mean(v)) for n, v in zip(host_m, zip(*values))}
@@ -192,7 +257,8 @@ def train_on_policy(config, workdir: str, *, params, loss_fn: loop.LossFn,
   """`loop.train` on `on_policy_batches(make_batch, prompt_iter, config.seed)` (see the module
   docstring). `config.train.batch_size` is the number of ROWS `make_batch` returns (prompts per
   step * rollouts per prompt). `frozen` and `validation` are `loop.train`'s; the caller's `params`
-  stay intact."""
+  stay intact. Dynamic sampling: `loop.train` on `on_policy_batches(..., sampling)` directly, with
+  `sampling.max_draws` x those rows."""
   return loop.train(config, workdir, params=params, loss_fn=loss_fn,
                     step_batches=on_policy_batches(make_batch, prompt_iter, config.seed), mesh=mesh,
                     desc=desc, frozen=frozen, validation=validation)
