@@ -18,6 +18,7 @@
 #   flash_check  the Pallas block-sparse flash attention against 'xla' on the GPU             ~40
 #   train_0p6b_pallas  the same train rows with the Pallas attention                         ~120
 #   profile      8B batch 1 AR: 16 steps under the profiler, device time per op group        ~70
+#   bytes_8b     decode_bytes.py on this device's compiled 8B AR step, bf16 and float8 weights ~60
 #   train_0p6b_dots_saveable  the train rows with remat dots_saveable                        ~120
 #   replay_b8    8B batch 8: the replayed schedule and AR                                    ~100
 #   attn_kernel  decode attention alone: split-key kernel, cuDNN and 'xla' (ms, max difference) ~40
@@ -112,9 +113,9 @@ EOF
 }
 
 # ---- the sub-runs, in priority order ---------------------------------------------------------------
-M8=qwen3_8b; M06=qwen3_0p6b; PL=2200; NEW=128; ASHAPE=8b; RESP=1024; T06=0p6b_like; T17=1p7b_like; FLASH_SMALL=()
+M8=qwen3_8b; M06=qwen3_0p6b; PL=2200; NEW=128; ASHAPE=8b; RESP=1024; T06=0p6b_like; T17=1p7b_like; FLASH_SMALL=(); B8=qwen3_8b
 if [ "${SMOKE:-0}" = 1 ]; then
-  M8=tiny; M06=tiny; PL=64; NEW=32; ASHAPE=tiny; RESP=64; T06=tiny; T17=tiny; FLASH_SMALL=(--small)
+  M8=tiny; M06=tiny; PL=64; NEW=32; ASHAPE=tiny; RESP=64; T06=tiny; T17=tiny; FLASH_SMALL=(--small); B8=qwen3_0p6b
 fi
 DT=benchmarks/decode_throughput.py
 DEC=(python3 $DT --dtype=bfloat16 --attention=auto --prompt_len=$PL --json_out=@JSON@)
@@ -163,6 +164,9 @@ train train_0p6b_pallas nothing_saveable pallas "train steps at the 0.6B shape, 
 run profile profile 50 120 1 "8B, batch 1, AR: 16 steps under the profiler" \
   python3 benchmarks/decode_profile.py --preset=$M8 --dtype=bfloat16 --attention=auto --batch=1 \
   --prompt_len=$PL --new_tokens=16 --calls=2 --json_out=@JSON@
+run bytes_8b kernels 40 150 1 "what the compiled 8B AR step reads on this device (bf16 and float8 weights: float8 reads 1.0 = the convert folded into the matmul)" \
+  python3 benchmarks/decode_bytes.py --shapes=$B8 --programs=ar --batch_sizes=1 --xla_cost=false \
+  --hlo_dir=/tmp/dgr2_hlo --check --json_out=@JSON@
 train train_0p6b_dots_saveable dots_saveable auto "train steps at the 0.6B shape, remat dots_saveable, attention auto" --losses=sft,cft,opd
 run replay_b8 decode 70 160 1 "8B, batch 8: $RL" \
   "${DEC[@]}" --preset=$M8 --batch_sizes=8 --repeats=2 "${REPLAY[@]}" "${FUSED[@]}"

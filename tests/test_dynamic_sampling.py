@@ -73,12 +73,13 @@ def test_a_draw_without_variance_draws_again(tmp_path):
   np.testing.assert_allclose(m["groups_dropped"], 0.5)
   rows = rl_toy.PPS * rl_toy.G
   assert batch["loss_mask"].shape[0] == 3 * rows
-  assert not batch["loss_mask"][:rows].any() and not batch["loss_mask"][2 * rows:].any()
+  drawn = lambda k, d: rollouts.draw_rows(batch[k], d, 3)   # the batch's rows are interleaved by draw
+  assert not drawn("loss_mask", 0).any() and not drawn("loss_mask", 2).any()
   # Draw 2 made on its own: the same prompts and key (fold_in(step key, 1)) give the same rows.
   key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(1), 1), 1)
   alone, _ = make_batch(params, _rows(second), key)
   for k, v in alone.items():
-    np.testing.assert_array_equal(batch[k][rows:2 * rows], v, err_msg=k)
+    np.testing.assert_array_equal(drawn(k, 1), v, err_msg=k)
   assert alone["loss_mask"].any()
   # The iterator's position covers both draws: the next batch it gives is the third.
   assert [int(i) for i in next(it)["example_id"]] == rl_toy.first_batches(3)[2]
@@ -116,7 +117,8 @@ def test_stop_rule(draws, target, dead_of, want):
   np.testing.assert_allclose(m["informative_fraction"], informative / (want * rl_toy.PPS))
   assert (batch is None) == (informative == 0) == bool(m["update_skipped"])
   if batch is not None:
-    assert rollouts.informative_groups(batch["loss_mask"], rl_toy.G) == informative
+    per_draw = [rollouts.draw_rows(batch["loss_mask"], d, draws) for d in range(draws)]
+    assert sum(rollouts.informative_groups(x, rl_toy.G) for x in per_draw) == informative
 
 
 def test_resume_replays_the_same_draws(tmp_path):
@@ -171,3 +173,22 @@ def test_two_processes_equal_one(tmp_path):
   assert keys and sorted(keys) == sorted(f for f in two.files if f.startswith("param/"))
   worst = max(float(np.max(np.abs(one[f] - two[f]))) for f in keys)
   assert worst <= 1e-5, worst
+
+
+@pytest.mark.parametrize("micro_per_draw", [1, 2])
+def test_padded_draws_fill_whole_micro_batches(micro_per_draw):
+  """Each micro-batch of the update (loop._split_micro over draws x micro_per_draw) holds one draw's
+  rows, exactly the rows that micro-batch would hold with one draw; draw_rows undoes the order."""
+  rows, draws = 8, 3
+  made = [{"x": np.arange(rows) + 100 * d, "loss_mask": np.ones((rows, 2))} for d in range(2)]
+  batch = rollouts._pad_draws(made, draws, micro_per_draw)
+  k = draws * micro_per_draw
+  micro = np.swapaxes(batch["x"].reshape(-1, k), 0, 1)          # loop._split_micro
+  alone = np.swapaxes(made[1]["x"].reshape(-1, micro_per_draw), 0, 1)
+  for i in range(k):
+    d, m = divmod(i, micro_per_draw)
+    assert set(micro[i] // 100) == {0 if d == 2 else d}
+    if d == 1:
+      np.testing.assert_array_equal(micro[i], alone[m])
+  np.testing.assert_array_equal(rollouts.draw_rows(batch["x"], 1, draws, micro_per_draw), made[1]["x"])
+  assert not rollouts.draw_rows(batch["loss_mask"], 2, draws, micro_per_draw).any()

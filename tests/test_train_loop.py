@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 
 from dgr2_jax.model import qwen3
@@ -77,6 +78,37 @@ def test_grad_accumulation_equals_big_batch():
     np.testing.assert_allclose(b, a, atol=1e-5)
     moved = max(moved, float(np.abs(a - p0).max()))
   assert moved > 1e-3  # the update really happened
+
+
+def test_micro_batches_without_a_loss_token_are_skipped_exactly():
+  """Gradient accumulation skips a micro-batch whose loss_mask is all 0 (its forward never runs: a
+  host callback counts the forwards) and the step equals the same step without that micro-batch."""
+  calls = []
+
+  def loss_fn(p, b, r):
+    del r
+    jax.debug.callback(lambda: calls.append(1))
+    m = b["loss_mask"].astype(jnp.float32)
+    err = (b["x"] @ p["w"] - b["y"]) ** 2                                  # [rows, 3]
+    denom = jnp.sum(m)
+    return jnp.sum(m * err) / jnp.maximum(denom, 1.0), {"denominator": denom, "tokens": denom}
+
+  rs = np.random.RandomState(0)
+  params = {"w": jnp.asarray(rs.randn(4, 3), jnp.float32)}
+  batch = {"x": rs.randn(8, 4).astype(np.float32), "y": rs.randn(8, 3).astype(np.float32),
+           "loss_mask": np.ones((8, 3), np.int32)}
+  batch["loss_mask"][1::4] = 0                  # micro-batch 1 of 4 (loop._split_micro: rows 1, 5)
+  kept = {k: np.delete(v, [1, 5], axis=0) for k, v in batch.items()}
+  opt, sched = optax.sgd(0.1), optax.constant_schedule(0.1)
+  state = {"params": params, "opt_state": opt.init(params), "step": jnp.zeros((), jnp.int32),
+           "rng": jax.random.PRNGKey(0)}
+  skipped, m4 = jax.jit(loop.make_train_step(loss_fn, opt, sched, 4))(state, batch)
+  jax.block_until_ready(skipped)
+  assert len(calls) == 3                          # 4 micro-batches, 3 forwards run
+  whole, m1 = jax.jit(loop.make_train_step(loss_fn, opt, sched, 1))(state, kept)
+  np.testing.assert_allclose(skipped["params"]["w"], whole["params"]["w"], rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(m4["loss"], m1["loss"], rtol=1e-6)
+  assert not np.allclose(skipped["params"]["w"], params["w"])   # the update happened
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):

@@ -136,7 +136,8 @@ def train_grpo(config, workdir: str, build: contract.Build, rc, src: str) -> str
   prompt_iter = on_policy.prompt_iterator(task["prompts"], pps, int(config.seed))
   state = loop.train(tconf, train_dir, params=params, loss_fn=loss_fn, desc=stage,
                      step_batches=rollouts.on_policy_batches(make_batch, prompt_iter, int(config.seed),
-                                                             rollouts.DynamicSampling(draws, target, g)),
+                                                             rollouts.DynamicSampling(draws, target, g,
+                                                                                      int(rc.grad_accum_steps))),
                      validation=loop.Validation(on_policy.validator(config, workdir, rc, policy_cfg, dc),
                                                 int(rc.get("valid_every", 0)), bool(rc.get("keep_best", False))))
   extra = {"steps": steps, "source": src, "examples": task["counts"], "best_step": state["best_step"]}

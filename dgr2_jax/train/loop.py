@@ -6,7 +6,10 @@ Contract for a stage:
     per step (and per micro-batch). If the loss is a weighted mean, put its denominator (e.g. the
     weighted token count) in metrics["denominator"]: gradient accumulation then combines
     micro-batches exactly as one big batch would (sum_i d_i * loss_i / sum_i d_i). Without it the
-    micro-batches are averaged with equal weight.
+    micro-batches are averaged with equal weight. A batch with a `loss_mask` field whose loss has a
+    denominator: the denominator must be 0 where the micro-batch's loss_mask is all 0 (the masked
+    token count): such micro-batches are skipped, no forward or backward (dynamic sampling's draws
+    not made).
   batch_iter: any iterator (or iterable) of dicts of numpy arrays with `train.batch_size` rows
     (per process: batch_size / process_count rows). If it has `get_state() -> dict` and
     `set_state(dict)` (grain iterators do) its position is checkpointed and restored, so a resumed
@@ -110,20 +113,37 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation,
       return loss, aux, grads
     micro = jax.tree_util.tree_map(lambda x: _split_micro(x, k), batch)
 
+    aux_shape = jax.eval_shape(lambda: grad_fn(params, jax.tree_util.tree_map(lambda x: x[0], micro),
+                                               rng, *extra)[0][1])
+    # A micro-batch without a loss token (dynamic sampling's draws not made, rollouts/_pad_draws)
+    # adds d = 0 times its gradient: skip its forward and backward. Only for losses that weigh by a
+    # denominator (the masked token count), where skipping is exact.
+    skippable = "denominator" in aux_shape and isinstance(batch, dict) and "loss_mask" in batch
+
+    def micro_grads(mb, i):
+      (loss, aux), grads = grad_fn(params, mb, jax.random.fold_in(rng, i), *extra)
+      aux = dict(aux)
+      d = jnp.asarray(aux.pop("denominator", 1.0), jnp.float32)
+      return loss.astype(jnp.float32), {n: jnp.asarray(v, jnp.float32) for n, v in aux.items()}, grads, d
+
+    def no_grads(mb, i):
+      del mb, i
+      return (jnp.zeros((), jnp.float32), {n: jnp.zeros((), jnp.float32) for n in aux_shape if n != "denominator"},
+              jax.tree_util.tree_map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
+
     def body(carry, xs):
       i, mb = xs
       if micro_batch_sharding is not None:
         mb = jax.lax.with_sharding_constraint(mb, micro_batch_sharding)
-      (loss, aux), grads = grad_fn(params, mb, jax.random.fold_in(rng, i), *extra)
-      aux = dict(aux)
-      d = jnp.asarray(aux.pop("denominator", 1.0), jnp.float32)
+      if skippable:
+        loss, aux, grads, d = jax.lax.cond(jnp.any(mb["loss_mask"] != 0), micro_grads, no_grads, mb, i)
+      else:
+        loss, aux, grads, d = micro_grads(mb, i)
       g_sum, l_sum, a_sum, d_sum = carry
       g_sum = jax.tree_util.tree_map(lambda a, g: a + d * g.astype(a.dtype), g_sum, grads)
       a_sum = {n: a_sum[n] + d * jnp.asarray(v, jnp.float32) for n, v in aux.items()}
       return (g_sum, l_sum + d * loss.astype(jnp.float32), a_sum, d_sum + d), None
 
-    aux_shape = jax.eval_shape(lambda: grad_fn(params, jax.tree_util.tree_map(lambda x: x[0], micro),
-                                               rng, *extra)[0][1])
     zeros_aux = {n: jnp.zeros((), jnp.float32) for n in aux_shape if n != "denominator"}
     init = (jax.tree_util.tree_map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), zeros_aux,
             jnp.zeros((), jnp.float32))

@@ -183,6 +183,7 @@ class DynamicSampling:
   max_draws: int = 1
   min_informative: int = 1
   group_size: int = 1
+  micro_per_draw: int = 1   # the update's micro-batches per draw (the stage's grad_accum_steps)
 
 
 def informative_groups(loss_mask: np.ndarray, group_size: int) -> int:
@@ -191,12 +192,34 @@ def informative_groups(loss_mask: np.ndarray, group_size: int) -> int:
   return int(m.any(-1).sum())
 
 
-def _pad_draws(draws: list[dict], max_draws: int) -> dict:
-  """The draws' batches one after another, then copies of the first with loss mask 0 (and zero
-  advantages) up to `max_draws`: real inputs, so the padding's replay stays finite."""
+def _pad_draws(draws: list[dict], max_draws: int, micro_per_draw: int = 1) -> dict:
+  """The draws' batches, then copies of the first with loss mask 0 (and zero advantages) up to
+  `max_draws` (real inputs, so the padding's replay stays finite), with rows ordered so that
+  each of the update's `max_draws * micro_per_draw` micro-batches (`loop._split_micro` takes rows
+  i, i + k, i + 2k, ...) holds rows of one draw only: micro-batch d * micro_per_draw + m gets the
+  rows of draw d that micro-batch m would get with one draw. A micro-batch of a draw not made then
+  has no loss token and `loop.make_train_step` skips its forward and backward. `draw_rows` undoes
+  the order."""
   pad = {k: (np.zeros_like(v) if k in ("loss_mask", "advantages") else v) for k, v in draws[0].items()}
   parts = list(draws) + [pad] * (max_draws - len(draws))
-  return {k: np.concatenate([np.asarray(pt[k]) for pt in parts]) for k in draws[0]}
+  return {k: _interleave(np.stack([np.asarray(pt[k]) for pt in parts]), micro_per_draw) for k in draws[0]}
+
+
+def _interleave(x: np.ndarray, g: int) -> np.ndarray:
+  """[D, r, ...] -> [D * r, ...] with row j * D * g + d * g + m = draw d's row j * g + m (r % g == 0;
+  otherwise the draws one after another, every micro-batch then mixing draws)."""
+  d, r = x.shape[:2]
+  if r % g:
+    return x.reshape((d * r,) + x.shape[2:])
+  return np.swapaxes(x.reshape((d, r // g, g) + x.shape[2:]), 0, 1).reshape((d * r,) + x.shape[2:])
+
+
+def draw_rows(batch_field: np.ndarray, draw: int, max_draws: int, micro_per_draw: int = 1) -> np.ndarray:
+  """Draw `draw`'s rows of one field of a `_pad_draws` batch, in the draw's own order."""
+  x = np.asarray(batch_field)
+  r = x.shape[0] // max_draws
+  g = micro_per_draw if r % micro_per_draw == 0 else r
+  return np.swapaxes(x.reshape((r // g, max_draws, g) + x.shape[1:]), 0, 1)[draw].reshape((r,) + x.shape[1:])
 
 
 def _sample_dynamically(make_batch, prompt_iter, params, key, ds: DynamicSampling) -> tuple[dict | None, dict]:
@@ -217,7 +240,7 @@ def _sample_dynamically(make_batch, prompt_iter, params, key, ds: DynamicSamplin
   host_m = {n: float(np.mean([m[n] for m in metrics])) for n in metrics[0]}
   host_m.update(draws=float(len(draws)), informative_groups=float(found),
                 informative_fraction=found / max(groups, 1), update_skipped=float(found == 0))
-  return (None if found == 0 else _pad_draws(draws, int(ds.max_draws))), host_m
+  return (None if found == 0 else _pad_draws(draws, int(ds.max_draws), int(ds.micro_per_draw))), host_m
 
 
 def on_policy_batches(make_batch: Callable[[dict, dict, jax.Array], tuple[dict, dict]], prompt_iter,
