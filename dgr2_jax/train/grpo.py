@@ -61,7 +61,8 @@ def rl_config() -> ml_collections.ConfigDict:
   c.grad_accum_steps = 1  # micro-batches per optimiser step
   # DAPO dynamic sampling: up to this many prompt batches per step, until min_informative_groups
   # groups (all processes) have reward variance; 1 = one batch per step. The update's batch has the
-  # shape of all draws (undrawn ones masked), as many more micro-batches as draws (same memory).
+  # shape of all draws (undrawn ones masked), as many more micro-batches as draws (same memory;
+  # the micro-batches of draws not made are skipped).
   c.dynamic_sampling = 1
   c.min_informative_groups = 0  # groups with reward variance that end a step's drawing (0 = prompts_per_step)
   c.replay_max_segments = 8    # replay canvases per block: as opd.opd_config() explains

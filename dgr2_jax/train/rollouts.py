@@ -31,11 +31,13 @@ over all processes, so every process takes the same decision; the step stops onc
 reaches `min_informative` or after `max_draws` draws. The train batch always has the static
 shape of `max_draws` draws (`train.batch_size` = max_draws x rows per draw, the micro-batch count
 scaled alike so a micro-batch keeps its size): the draws made, then copies of the first draw with
-loss mask 0 in place of the draws not made. The token-level loss is normalised over the loss
-tokens, so it is the mean over the kept groups of every draw made, and the padding only costs
-update time. No loss token in any draw: no update, as with one draw. Each process's rows are its
-share of every draw (its rows of draw 0, then of draw 1, ...): the global row order then depends
-on the process count, the loss (a sum over tokens) does not. `max_draws` 1 is the plain step.
+loss mask 0 in place of the draws not made, the rows ordered so that every micro-batch holds one
+draw (`_pad_draws`). The token-level loss is normalised over the loss tokens, so it is the mean
+over the kept groups of every draw made, and `loop.make_train_step` skips the micro-batches
+without a loss token: the padding costs neither loss nor time. No loss token in any draw: no
+update, as with one draw. Each process's rows are its share of every draw, in that order: the
+global row order then depends on the process count, the loss (a sum over tokens) does not.
+`max_draws` 1 is the plain step.
 """
 
 from __future__ import annotations
