@@ -75,12 +75,15 @@ def verifier_dir(config, workdir: str) -> str | None:
 
 
 
-def commit_schedule(config, dcfg, records: list[dict], mesh) -> dict:
+def commit_schedule(config, dcfg, records: list[dict], row_steps: list, mesh) -> dict:
   """decode/schedule.py's object of threshold-decoded `records`: each answer's commits per step
-  (from its `commit_steps`, so recording changes nothing the decoder runs) and the decode settings."""
+  and the decode settings. The counts come from `row_steps`, the commit step of every position
+  the row committed (its decoder output's `commit_step` >= 0), not from the answer's tokens alone:
+  a step may commit only the EOS or positions after it, which the answer cuts off, and the replay
+  must run that step too. Recording changes nothing the decoder runs."""
   ec = config.eval
   answers = [dict(example_id=r["example_id"], prompt_len=r["prompt_len"], nfe=r["nfe"],
-                  commits=schedule_lib.commits_per_step(r["commit_steps"])) for r in records]
+                  commits=schedule_lib.commits_per_step(st)) for r, st in zip(records, row_steps)]
   rows_per_device = -(-ec.batch_size // dmesh.data_size(mesh))   # what resolved kv_write 'auto'
   return schedule_lib.make(
       answers, model=ec.model_dir, split=ec.split, block_size=dcfg.block_size, threshold=float(dcfg.threshold),
@@ -137,7 +140,7 @@ def _build(config, workdir: str, build: contract.Build, generate_fn=None, models
       generate_fn = runtime.threshold_generate(mesh)
   dcfg = runtime.decode_config(config, tids, model_config)
   rng = jax.random.PRNGKey(int(config.get("seed", 0)))
-  records, bs = [], ec.batch_size
+  records, row_steps, bs = [], [], ec.batch_size
   for s in tqdm.tqdm(range(0, len(prompts), bs), desc=f"eval {ec.split}"):
     chunk = prompts[s:s + bs]
     n_real = len(chunk)
@@ -148,8 +151,10 @@ def _build(config, workdir: str, build: contract.Build, generate_fn=None, models
       ex, out_ids = examples[s + i], list(res["output_ids"][i])
       rec = metrics_lib.score_output(out_ids, tokenizer, tids, ex, sids)
       rec.update(history=ex["history"], candidates=ex["candidates"])   # item ids: replayable against the server
+      steps = np.asarray(res["commit_step"])[i]
       rec.update(prompt_len=len(chunk[i]), nfe=int(np.asarray(res["nfe"])[i]),
-                 commit_steps=np.asarray(res["commit_step"])[i][:len(out_ids)].tolist())
+                 commit_steps=steps[:len(out_ids)].tolist())
+      row_steps.append(steps[steps >= 0].tolist())   # every position the row committed (EOS and after it too)
       for k in ("rounds", "accepted"):   # speculative decoding
         if k in res:
           rec[k] = int(np.asarray(res[k])[i])
@@ -170,7 +175,8 @@ def _build(config, workdir: str, build: contract.Build, generate_fn=None, models
           f.write(json.dumps(r, ensure_ascii=False) + "\n")
     common.write_json_atomic(os.path.join(tmp, "metrics.json"), metrics)
     if record and records:   # one process writes (fileio's writers)
-      schedule_lib.write(os.path.join(tmp, schedule_lib.FILENAME), commit_schedule(config, dcfg, records, mesh))
+      schedule_lib.write(os.path.join(tmp, schedule_lib.FILENAME),
+                         commit_schedule(config, dcfg, records, row_steps, mesh))
   return build.out
 
 
