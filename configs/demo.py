@@ -31,8 +31,8 @@ def get_config(arg: str = ""):
   c.sids.hidden_dims = (64, 32)
   c.sids.batch_size = 128
   c.sids.num_steps = 300
-  # A deliberately under-trained retriever (one epoch): R@10 ~0.55, pre-rank R@1 ~0.24, while the
-  # 'same brand as the last purchase' rule scores ~0.32, so the re-ranker has room to show.
+  # A deliberately under-trained retriever (one epoch): R@10 ~0.55, pre-rank R@1 ~0.23, while the
+  # 'same brand as the last purchase, else same type' rule scores ~0.33, so the re-ranker has room to show.
   c.retriever.hidden = 32
   c.retriever.batch_size = 32
   c.retriever.dropout = 0.2
@@ -45,33 +45,47 @@ def get_config(arg: str = ""):
   # ... in a shuffled order, so the tiny model learns to copy the list it is shown.
   c.task.shuffle_train = True
   # Tiny-model task format (see dgr2_jax/task/prompts.py and rationale.py): numbered
-  # 'SID brand leaf' lines (~120 tokens) and a three-sentence rationale that picks by number.
+  # 'SID brand leaf' lines, each candidate marked with its relation to the last purchase
+  # ('#3 <sid> Lumina Gel (same brand)'): the evidence the rule reads, spelled out, since a 3-layer
+  # model does not match brand names across the prompt on its own (unmarked, the demo's teacher
+  # gained +0.02 over the floor, within noise; marked, about +0.10).
   c.task.prompt_variant = "minimal"
-  c.task.rationale_style = "terse"
-  # The built-in reasoner does not peek at the label: it ranks first the candidate most related
-  # to the last purchase (valid R@1 ~0.32 vs ~0.24 pre-rank); the AR teacher learns that rule.
+  c.task.mark_relations = True
+  # The brief rationale ('Recent Lumina Gel. Same brand #3. So #3 goes first, the others keep
+  # their order.', <= 30 tokens) picks by a label-free policy chosen on the training lists whose
+  # target the retriever listed (task.trace_policy='fit', traces/policy.json: here 'same brand >
+  # same type within the top 10, else #1'); the ladder shows that policy as a rule row.
+  c.task.rationale_style = "brief"
+  c.task.rationale_tokens = 30
   c.task.rationale_knows_target = False
+  c.task.trace_policy = "fit"
   # The answer lists candidate numbers ('#k' of the prompt) instead of 3-token SIDs: a 3-layer
   # model cannot learn to copy ten SIDs by position under parallel denoising within the demo's
   # budget (CFT reached 65% valid with SIDs, see docs/architecture.md). Real presets keep answer_ids='sid'.
   c.task.answer_ids = "number"
   c.task.max_history = 2
-  c.task.prompt_len = 128
-  c.task.response_len = 64       # ~28 reasoning + 26 answer tokens (at most 59): 2 blocks of 32
+  c.task.prompt_len = 160        # ~142 tokens (max ~167: a long history line is cut from the oldest side)
+  # The reasoning (~25 tokens with <think></think>) fills the first block of 32; the answer (~26
+  # tokens + EOS) starts the second (`task.answer_block`), so a diffusion model denoises it with the
+  # choice already committed.
+  c.task.answer_block = 32
+  c.task.response_len = 64
   c.model.hidden_size = 64
   c.model.intermediate_size = 192
   c.model.num_hidden_layers = 3
   c.model.head_dim = 16
   # Short sequences: a faster-turning rotary base helps the tiny model's copy-by-position heads.
   c.model.rope_theta = 10_000.0
-  c.train.total_steps = 1500
+  c.train.total_steps = 900       # the marked prompts are learned fast: the teacher agrees with the rule on ~98%
   c.train.batch_size = 16
   c.train.checkpoint_every = 100
   c.train.optimizer.peak_lr = 3e-3
   c.train.optimizer.warmup_steps = 20
   c.train.optimizer.end_lr_frac = 0.01
   c.decode.max_new_tokens = 64
-  c.eval.max_examples = 256      # the ladder: R@1 differences of ~0.01 need more than 128
+  # The ladder on 1,024 test users (of ~1,600 whose target the retriever lists): a paired
+  # difference of ~0.02 is then outside the noise.
+  c.eval.max_examples = 1024
   c.eval.batch_size = 32
   c.cft.epochs = 0
   c.cft.steps = 400

@@ -182,3 +182,36 @@ def test_segment_attention_equals_dense_mask(tiny_lm):
   dense = np.asarray(streams.response_predictions(*args, dense_mask=True))
   np.testing.assert_allclose(seg, dense, atol=1e-5, rtol=1e-5)
   assert np.abs(seg).max() > 1.0
+
+
+def test_widened_segments_replay_the_same_logprobs(tiny_lm):
+  """Dynamic sampling stacks draws whose replays hold different caps: a layout widened to a larger
+  cap (replay.widen_segments) scores every committed token as the original does, and equals the
+  layout build_segments makes at that cap."""
+  cfg, params = tiny_lm
+  bs, r = 8, 16
+  mcfg = cfg.as_block_diffusion(bs, 63)
+  toks, lens = sampler.left_pad(PROMPTS, 9, 0)
+  dc = sampler.DecodeConfig(block_size=bs, threshold=0.9, temperature=1.0, max_new_tokens=r, eos_ids=(5,),
+                            mask_token_id=63, pad_id=0, steps_per_block=2)   # <= 2 steps a block: cap 2
+  out = sampler.generate(cfg, params, PROMPTS, dc, rng=jax.random.PRNGKey(3))
+  seg = replay.build_segments(out["tokens"], out["commit_step"], bs, bs, 63)
+  cap = seg["seg_tokens"].shape[1] // (r // bs)
+  assert cap < bs, "the schedule must leave room to widen"
+  wide, pred = replay.widen_segments(seg["seg_tokens"], seg["pred_seg"], r, bs)
+  assert wide.shape == (3, (r // bs) * bs, bs)
+  committed = out["commit_step"] >= 0
+  lp = lambda s: np.asarray(replay.replay_logprobs(mcfg, params, toks, lens, s, bs, temperature=1.0, top_k=0,
+                                                   top_p=1.0, mask_id=63))
+  base = lp({k: seg[k] for k in ("clean", "seg_tokens", "pred_seg")})
+  np.testing.assert_allclose(lp({"clean": seg["clean"], "seg_tokens": wide, "pred_seg": pred})[committed],
+                             base[committed], atol=1e-6)
+  np.testing.assert_allclose(base[committed], out["logprob"][committed], atol=1e-5)
+  # The segments that predict: those of build_segments' own layout at the wider cap.
+  for b in range(3):
+    for i in np.flatnonzero(committed[b]):
+      j, m = divmod(int(seg["pred_seg"][b, i]), cap)
+      assert pred[b, i] == j * bs + m
+      np.testing.assert_array_equal(wide[b, pred[b, i]], seg["seg_tokens"][b, seg["pred_seg"][b, i]])
+  with pytest.raises(ValueError, match="cap"):
+    replay.widen_segments(wide, pred, r, 1)

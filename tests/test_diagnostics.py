@@ -147,7 +147,11 @@ def test_rule_rows_score_their_picks_like_a_model():
   preds = diag.rule_predictions(MODEL, picks)
   assert [diag.first_pick(p) for p in preds] == [0, 2, 1, 0, 3]
   assert all(sorted(p["ranking_items"]) == sorted(CANDS) for p in preds)
-  assert diag.rule_row("rule", preds) == {"method": "rule", "recall@1": 2 / 5, "n": 5}
+  row = diag.rule_row("rule", preds)
+  assert row["method"] == "rule" and row["recall@1"] == 2 / 5 and row["n"] == 5
+  assert row["valid_rate"] == 1.0 and row["fallback_rate"] == 0.0 and row["mean_nfe"] == 0.0
+  # the target's rank in the rule's ranking (its pick, then the retriever's order): 1, 1, 2, 4, 6
+  assert row["recall@3"] == 3 / 5
   assert [diag.most_bought_next(c) for c in ([0, 0, 0], [0, 2, 2], [1, 0, 3])] == [0, 1, 2]
 
 

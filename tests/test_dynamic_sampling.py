@@ -192,3 +192,22 @@ def test_padded_draws_fill_whole_micro_batches(micro_per_draw):
       np.testing.assert_array_equal(micro[i], alone[m])
   np.testing.assert_array_equal(rollouts.draw_rows(batch["x"], 1, draws, micro_per_draw), made[1]["x"])
   assert not rollouts.draw_rows(batch["loss_mask"], 2, draws, micro_per_draw).any()
+
+
+def test_draws_with_different_replay_caps_stack():
+  """A draw whose blocks took more steps replays with more segments per block: the step's draws
+  are widened to the largest cap (same predictions, tests/test_cft_replay.py) before stacking; a
+  field whose shapes differ otherwise is one clear error."""
+  r, bs, rows = 16, 8, 4
+  def draw(cap, fill):
+    return {"clean": np.zeros((rows, r), np.int32), "seg_tokens": np.full((rows, 2 * cap, bs), fill, np.int32),
+            "pred_seg": np.tile(np.repeat(np.arange(2) * cap, bs), (rows, 1)).astype(np.int32),
+            "loss_mask": np.ones((rows, r))}
+  batch = rollouts._pad_draws([draw(2, 1), draw(4, 2)], 3)
+  assert batch["seg_tokens"].shape == (3 * rows, 8, bs)
+  first = rollouts.draw_rows(batch["pred_seg"], 0, 3)
+  np.testing.assert_array_equal(first, np.tile(np.repeat([0, 4], bs), (rows, 1)))
+  np.testing.assert_array_equal(rollouts.draw_rows(batch["seg_tokens"], 0, 3)[:, [0, 4]], 1)
+  bad = [draw(2, 1), dict(draw(2, 1), loss_mask=np.ones((rows, r + 1)))]
+  with pytest.raises(ValueError, match="'loss_mask' has shapes"):
+    rollouts._pad_draws(bad, 2)

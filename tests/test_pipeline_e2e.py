@@ -27,7 +27,9 @@ def test_toy_pipeline_end_to_end(smoke_workdir):
   assert isinstance(acc, list)
   rows = acc
   methods = [r["method"] for r in rows]
-  assert methods == ["pre_rank", "ar_sft", "ar", "naive", "cft", "cft_opd", "cft_opd_rl", "speculative"], methods
+  # The rule row: the trace policy the traces follow (task.trace_policy='fit'), on the same users.
+  assert methods == ["pre_rank", "rule_policy", "ar_sft", "ar", "naive", "cft", "cft_opd", "cft_opd_rl",
+                     "speculative"], methods
   for r in rows:
     for k in ("recall@1", "recall@3", "ndcg@3", "valid_rate", "n"):
       assert k in r, (r["method"], k)
@@ -44,6 +46,7 @@ def test_toy_pipeline_end_to_end(smoke_workdir):
     assert abs(r["recall@1"] - by["pre_rank"]["recall@1"] - r["delta_floor"]) < 1e-9, r["method"]
   assert by["speculative"]["delta_teacher"] == 0.0 and by["speculative"]["delta_teacher_ci95"] == [0.0, 0.0]
   assert by["ar"]["delta_teacher"] is None
+  assert by["rule_policy"]["policy_agreement"] == 1.0 and by["rule_policy"]["valid_rate"] == 1.0
   # The on-policy stages' validation curves (smoke: a point every step) and the kept point: of the
   # points that beat the first by 2 paired standard errors, the highest Recall@1, then valid rate,
   # then the earliest step; else the first.

@@ -22,7 +22,9 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from dgr2_jax.task import answer as answer_lib
 from dgr2_jax.task import copurchase
+from dgr2_jax.task import metrics as metrics_lib
 from dgr2_jax.task import policy as policy_lib
 
 N_BOOT = 2000
@@ -108,9 +110,11 @@ def rule_predictions(preds: Sequence[dict], picks: Mapping) -> list[dict]:
 
 
 def rule_row(method: str, preds: Sequence[dict]) -> dict:
-  """The ladder row of a rule's `rule_predictions`: Recall@1 and n (diagnostics join it later)."""
-  hits = [float(first_pick(p) == p["target_pos"]) for p in preds]
-  return {"method": method, "recall@1": float(np.mean(hits)) if hits else None, "n": len(hits)}
+  """The ladder row of a rule's `rule_predictions`, with the models' metric columns: a rule always
+  answers (valid, no fallback) in no forward pass (diagnostics join it later)."""
+  recs = [{"rank": metrics_lib.target_rank([list(p["candidates"]).index(i) for i in p["ranking_items"]],
+                                           int(p["target_pos"])), "verdict": answer_lib.VALID} for p in preds]
+  return {"method": method, **metrics_lib.aggregate(recs)}
 
 
 def _by_id(method: str, preds: Sequence[dict]) -> dict:

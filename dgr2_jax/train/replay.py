@@ -61,6 +61,22 @@ def build_segments(tokens: np.ndarray, commit_step: np.ndarray, block_size: int,
   return dict(seg_tokens=seg_tokens, seg_block=seg_block, pred_seg=pred_seg, exact=exact, clean=clean)
 
 
+def widen_segments(seg_tokens: np.ndarray, pred_seg: np.ndarray, response_len: int, cap: int):
+  """The same replay with `cap` segments per block (>= the layout's): block j's segment m moves to
+  j * cap + m, the new segments are copies of the block's first (nothing is predicted from them,
+  and a segment attends only to the context before its block and to itself, so every prediction
+  is unchanged). Lets batches replayed with different caps share one shape (dynamic sampling's
+  draws). -> (seg_tokens [b, nb*cap, B], pred_seg [b, R])."""
+  b, g, bs = seg_tokens.shape
+  nb = response_len // bs
+  old = g // nb
+  if cap < old:
+    raise ValueError(f"widen_segments: cap {cap} is below the layout's {old} segments per block")
+  idx = np.repeat(np.arange(nb) * old, cap) + np.tile(np.where(np.arange(cap) < old, np.arange(cap), 0), nb)
+  pred = np.asarray(pred_seg)
+  return np.asarray(seg_tokens)[:, idx], ((pred // old) * cap + pred % old).astype(pred.dtype)
+
+
 def replay_hidden(model_config, params, prompt, prompt_len, segments, block_size: int):
   """Final hidden states [b,R,E] whose projection each committed token was sampled from.
 

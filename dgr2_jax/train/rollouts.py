@@ -202,9 +202,29 @@ def _pad_draws(draws: list[dict], max_draws: int, micro_per_draw: int = 1) -> di
   rows of draw d that micro-batch m would get with one draw. A micro-batch of a draw not made then
   has no loss token and `loop.make_train_step` skips its forward and backward. `draw_rows` undoes
   the order."""
+  draws = _same_segments(draws)
   pad = {k: (np.zeros_like(v) if k in ("loss_mask", "advantages") else v) for k, v in draws[0].items()}
   parts = list(draws) + [pad] * (max_draws - len(draws))
+  for k in draws[0]:
+    if len({np.shape(pt[k]) for pt in parts}) > 1:
+      raise ValueError(f"dynamic sampling: field {k!r} has shapes {[np.shape(pt[k]) for pt in parts]} "
+                       "across the step's draws")
   return {k: _interleave(np.stack([np.asarray(pt[k]) for pt in parts]), micro_per_draw) for k in draws[0]}
+
+
+def _same_segments(draws: list[dict]) -> list[dict]:
+  """Draws whose replays hold different numbers of segments per block (each batch's cap is its own
+  most steps in a block, replay.build_segments) widened to the largest: the same predictions."""
+  if "seg_tokens" not in draws[0] or len({np.shape(d["seg_tokens"]) for d in draws}) == 1:
+    return draws
+  r = np.shape(draws[0]["clean"])[1]
+  nb = r // np.shape(draws[0]["seg_tokens"])[2]
+  cap = max(np.shape(d["seg_tokens"])[1] for d in draws) // nb
+  out = []
+  for d in draws:
+    seg, pred = replay.widen_segments(d["seg_tokens"], d["pred_seg"], r, cap)
+    out.append(dict(d, seg_tokens=seg, pred_seg=pred))
+  return out
 
 
 def _interleave(x: np.ndarray, g: int) -> np.ndarray:
