@@ -140,10 +140,16 @@ def replay_inputs(rollouts: dict, block_size: int, mask_id: int, commit_step=Non
   `commit_step` overrides the rollout's (the self-teacher's serialised order, see
   `serialize_commit_steps`). `max_segments_per_block` 0 = exact replay (one segment per denoising
   step: cap = block size); > 0 = that cap (neighbouring steps merged when a block used more).
+  Several processes: every process widens its rows' layout to the largest cap of any process (the
+  global batch has one shape; `replay.widen_segments` keeps every prediction).
   """
   cs = rollouts["commit_step"] if commit_step is None else commit_step
   seg = replay.build_segments(rollouts["tokens"], cs, block_size, max_segments_per_block or block_size,
                               mask_id)
+  if multihost.is_multi():  # one layout for the global batch: each process's rows widened to the largest cap
+    r = cs.shape[1]
+    cap = max(int(c) for c in multihost.allgather("replay_cap", seg["seg_tokens"].shape[1] // (r // block_size)))
+    seg["seg_tokens"], seg["pred_seg"] = replay.widen_segments(seg["seg_tokens"], seg["pred_seg"], r, cap)
   return {k: seg[k] for k in SEGMENT_KEYS + ("exact",)}
 
 
