@@ -61,15 +61,20 @@ def build_segments(tokens: np.ndarray, commit_step: np.ndarray, block_size: int,
   return dict(seg_tokens=seg_tokens, seg_block=seg_block, pred_seg=pred_seg, exact=exact, clean=clean)
 
 
+def segments_per_block(seg_tokens, response_len: int) -> int:
+  """The cap of a layout: its segments [b, nb*cap, B] over the response's nb blocks."""
+  _, g, bs = np.shape(seg_tokens)
+  return g // (response_len // bs)
+
+
 def widen_segments(seg_tokens: np.ndarray, pred_seg: np.ndarray, response_len: int, cap: int):
   """The same replay with `cap` segments per block (>= the layout's): block j's segment m moves to
   j * cap + m, the new segments are copies of the block's first (nothing is predicted from them,
   and a segment attends only to the context before its block and to itself, so every prediction
   is unchanged). Lets batches replayed with different caps share one shape (dynamic sampling's
   draws). -> (seg_tokens [b, nb*cap, B], pred_seg [b, R])."""
-  b, g, bs = seg_tokens.shape
-  nb = response_len // bs
-  old = g // nb
+  nb = response_len // np.shape(seg_tokens)[2]
+  old = segments_per_block(seg_tokens, response_len)
   if cap < old:
     raise ValueError(f"widen_segments: cap {cap} is below the layout's {old} segments per block")
   idx = np.repeat(np.arange(nb) * old, cap) + np.tile(np.where(np.arange(cap) < old, np.arange(cap), 0), nb)

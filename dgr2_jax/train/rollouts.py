@@ -148,7 +148,7 @@ def replay_inputs(rollouts: dict, block_size: int, mask_id: int, commit_step=Non
                               mask_id)
   if multihost.is_multi():  # one layout for the global batch: each process's rows widened to the largest cap
     r = cs.shape[1]
-    cap = max(int(c) for c in multihost.allgather("replay_cap", seg["seg_tokens"].shape[1] // (r // block_size)))
+    cap = max(int(c) for c in multihost.allgather("replay_cap", replay.segments_per_block(seg["seg_tokens"], r)))
     seg["seg_tokens"], seg["pred_seg"] = replay.widen_segments(seg["seg_tokens"], seg["pred_seg"], r, cap)
   return {k: seg[k] for k in SEGMENT_KEYS + ("exact",)}
 
@@ -224,8 +224,7 @@ def _same_segments(draws: list[dict]) -> list[dict]:
   if "seg_tokens" not in draws[0] or len({np.shape(d["seg_tokens"]) for d in draws}) == 1:
     return draws
   r = np.shape(draws[0]["clean"])[1]
-  nb = r // np.shape(draws[0]["seg_tokens"])[2]
-  cap = max(np.shape(d["seg_tokens"])[1] for d in draws) // nb
+  cap = max(replay.segments_per_block(d["seg_tokens"], r) for d in draws)
   out = []
   for d in draws:
     seg, pred = replay.widen_segments(d["seg_tokens"], d["pred_seg"], r, cap)
