@@ -27,6 +27,24 @@ def _move(target_pos, new_rank):
   return rest[:new_rank - 1] + [target_pos] + rest[new_rank - 1:]
 
 
+def test_informative_valid_drops_groups_whose_only_variance_is_an_invalid_rollout():
+  g = 4
+  rew = np.asarray([0.2, 0.2, 0.2, -1.0,     # same valid answer, one invalid: format-only variance
+                    0.4, 0.0, 0.0, -1.0,     # valid rollouts differ: kept, the invalid one included
+                    -1.0, -1.0, -1.0, 0.3,   # one valid rollout: nothing to compare it with
+                    0.1, 0.1, 0.1, 0.1])     # no variance at all
+  valid = rew > -1.0
+  adv_any, keep_any = grpo.group_advantages(rew, g)
+  adv, keep = grpo.group_advantages(rew, g, valid=valid)
+  # Reference: a group trains iff >= 2 valid rollouts whose rewards are not all equal.
+  ref_keep = [len(set(rew[k * g:(k + 1) * g][valid[k * g:(k + 1) * g]])) > 1 for k in range(4)]
+  assert ref_keep == [False, True, False, False]
+  np.testing.assert_array_equal(keep, np.repeat(ref_keep, g))
+  np.testing.assert_array_equal(keep_any, np.repeat([True, True, True, False], g))
+  np.testing.assert_allclose(adv[4:8], adv_any[4:8])   # a kept group's advantages are unchanged
+  assert adv[7] < 0 and not adv[:4].any() and not adv[8:].any()
+
+
 def test_rewards_and_group_advantages_match_numpy_reference():
   n, alpha, g = 10, 0.2, 4
   # Group 0: target at rank 3 in D; outputs put it at 1, 3, 5 and one invalid (duplicate).

@@ -56,10 +56,13 @@ def _settings(config, workdir: str, stage: str, overrides: dict | None):
 
 def _hash(config, workdir: str, upstream: dict, stage: str, overrides: dict | None) -> str:
   config, rc, src = _settings(config, workdir, stage, overrides)
-  if grpo.sampling_settings(rc)[0] == 1:  # one draw per step: the same run as before these fields existed
+  # Fields at the values that train as before they existed stay out of the hash (built stages stay fresh).
+  unset = [k for k in ("dynamic_sampling", "min_informative_groups") if grpo.sampling_settings(rc)[0] == 1]
+  unset += ["informative"] if str(rc.get("informative", "any")) == "any" else []
+  if unset:
     rc = rc.copy_and_resolve_references()
     with rc.unlocked():
-      for k in ("dynamic_sampling", "min_informative_groups"):
+      for k in unset:
         if k in rc:
           del rc[k]
   return common.config_hash(config.seed, rc, config.decode, config.task, config.train.mesh,
@@ -102,6 +105,7 @@ def train_grpo(config, workdir: str, build: contract.Build, rc, src: str) -> str
   kl_coef = float(rc.kl_coef)
   dist = dict(temperature=dc.temperature, top_k=dc.top_k, top_p=dc.top_p, mask_id=mask_id)
   per_call = int(rc.get("rollout_batch_size", 0))
+  informative = str(rc.get("informative", "any"))
   if kl_coef > 0:
     ref_params = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params)  # on the device(s)
     ref_fn = jax.jit(lambda p, pr, pl, seg: replay.replay_logprobs(policy_cfg, p, pr, pl, seg, bs, **dist))
@@ -111,7 +115,8 @@ def train_grpo(config, workdir: str, build: contract.Build, rc, src: str) -> str
                            rows_per_call=per_call)
     seg = rollouts.replay_inputs(roll, bs, mask_id, max_segments_per_block=int(rc.replay_max_segments))
     scored = on_policy.score_rollouts(roll, prompts, g, task, float(rc.alpha))
-    adv, keep = grpo.group_advantages(scored["rewards"], g)
+    adv, keep = grpo.group_advantages(scored["rewards"], g,
+                                      valid=scored["valid"] if informative == "valid" else None)
     batch = dict(prompt=roll["prompt_ids"], prompt_len=roll["prompt_len"], old_logp=roll["logprob"],
                  advantages=adv, loss_mask=roll["loss_mask"] & keep[:, None],
                  **{n: seg[n] for n in rollouts.SEGMENT_KEYS})

@@ -8,7 +8,10 @@ passed as `None`) gets R = -1 and stays in its group.
 
 Advantages (`group_advantages`): rewards come in consecutive groups of G rollouts of one prompt;
 A = (R - mean) / std within the group (population std, ddof 0). A group whose rewards have
-std <= 1e-6 has no defined advantage and is dropped (keep_mask 0, A = 0). DAPO's dynamic sampling
+std <= 1e-6 has no defined advantage and is dropped (keep_mask 0, A = 0). With `informative`
+'valid' a group is also dropped when its variance comes only from invalid rollouts (the valid
+rollouts' rewards all equal): such a group teaches the format by pushing up whatever answer the
+model already gives, and on a peaked policy most groups with any variance are of that kind. DAPO's dynamic sampling
 (`dynamic_sampling` > 1, `min_informative_groups`; train/rollouts.py) draws more prompt batches in
 a step until enough groups have reward variance, and trains on the kept groups of every draw.
 
@@ -39,6 +42,7 @@ from dgr2_jax.train import replay
 
 
 PROMPT_POOLS = ("all", "natural")
+INFORMATIVE = ("any", "valid")
 
 
 def rl_config() -> ml_collections.ConfigDict:
@@ -65,6 +69,11 @@ def rl_config() -> ml_collections.ConfigDict:
   # the micro-batches of draws not made are skipped).
   c.dynamic_sampling = 1
   c.min_informative_groups = 0  # groups with reward variance that end a step's drawing (0 = prompts_per_step)
+  # Which groups train: 'any' reward variance, or 'valid': variance among the valid rollouts'
+  # rewards (a group whose only variance is an invalid rollout's -1 is dropped; its invalid
+  # rollouts still get their negative advantage in the groups that train). Dynamic sampling counts
+  # the groups this keeps.
+  c.informative = "any"
   c.replay_max_segments = 8    # replay canvases per block: as opd.opd_config() explains
   c.rollout_batch_size = 0     # rows decoded per call (0 = all at once): as opd.opd_config() explains
   # Validation curve: greedy Recall@1 on the first `valid_prompts` validation users before the
@@ -101,14 +110,21 @@ def rewards(parsed: Sequence, target_rank_in_d: Sequence[int], n: int, alpha: fl
   return np.asarray([reward(p, int(t), n, alpha) for p, t in zip(parsed, target_rank_in_d)], np.float32)
 
 
-def group_advantages(rewards_: np.ndarray, group_size: int, eps: float = 1e-6):
-  """-> (advantages [n*G] f32, keep_mask [n*G] bool); see the module docstring."""
+def group_advantages(rewards_: np.ndarray, group_size: int, eps: float = 1e-6, valid=None):
+  """-> (advantages [n*G] f32, keep_mask [n*G] bool); see the module docstring. `valid` [n*G]
+  bool (the parser's verdicts): keep only groups whose valid rollouts' rewards vary."""
   r = np.asarray(rewards_, np.float64)
   if r.size % group_size:
     raise ValueError(f"{r.size} rewards are not a whole number of groups of {group_size}")
   g = r.reshape(-1, group_size)
   mean, std = g.mean(1, keepdims=True), g.std(1, keepdims=True)
-  keep = np.broadcast_to(std > eps, g.shape)
+  ok = std > eps
+  if valid is not None:
+    v = np.asarray(valid, bool).reshape(g.shape)
+    hi = np.where(v, g, -np.inf).max(1, keepdims=True)
+    lo = np.where(v, g, np.inf).min(1, keepdims=True)
+    ok &= (v.sum(1, keepdims=True) >= 2) & (hi - lo > eps)
+  keep = np.broadcast_to(ok, g.shape)
   adv = np.where(keep, (g - mean) / np.where(keep, std, 1.0), 0.0)
   return adv.reshape(-1).astype(np.float32), keep.reshape(-1)
 
@@ -186,6 +202,7 @@ def validate(config, runs: set, section: str = "rl") -> None:
     if not 0.0 < float(c[section][f]) < 1.0:
       checks.fail(f"{section}.{f}", f"must be in (0, 1), got {c[section][f]}")
   checks.one_of(c, section, "prompt_pool", PROMPT_POOLS)
+  checks.one_of(c, section, "informative", INFORMATIVE)
   _validate_sampling(c, section)
   if not checks.is_int(c[section].get("rollout_batch_size", 0), 0):
     checks.fail(f"{section}.rollout_batch_size", f"must be an int >= 0 (0 = all rollouts at once), got "
