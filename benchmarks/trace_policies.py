@@ -11,7 +11,10 @@ the next-purchase tiers of `task.mark_copurchase`, task/copurchase.py, ahead of 
 candidates outside that grid, to show what else the prompt offers: the first code or first two
 codes of the SID shared with the last purchase (semantic neighbours), the brand of either of the
 last two purchases, and a per-cell table of P(target | position, relation) estimated on the
-training lists (argmax, with a margin over #1).
+training lists (argmax, with a margin over #1). Last, a list-wise choice model fit on the
+training lists (`choice_model`: a softmax over the ten candidates of a linear score of the same
+marks, position and their interactions): what a learner fit on those lists, the RL stages' prompt
+pool, gets from the marks beyond the fixed tiers.
 """
 
 from __future__ import annotations
@@ -89,6 +92,36 @@ def table(feats, tpos) -> np.ndarray:
   return (hit + hit.sum() / cnt.sum()) / (cnt + 1.0)
 
 
+def _phi(k: int, f: dict) -> np.ndarray:
+  """One candidate's features: position, next-purchase tier and relation (one-hot each), and the
+  tier and the relation crossed with a position bucket (#1, #2-3, #4-6, #7-10)."""
+  tiers, rels = [None] + list(copurchase.TIERS), list(rationale.RELATIONS)
+  b = 0 if k == 0 else 1 if k < 3 else 2 if k < 6 else 3
+  v = np.zeros(10 + len(tiers) + len(rels) + 4 * (len(tiers) + len(rels)))
+  t, r = tiers.index(f["next"]), rels.index(f["rel"])
+  v[k] = v[10 + t] = v[10 + len(tiers) + r] = 1.0
+  base = 10 + len(tiers) + len(rels)
+  v[base + 4 * t + b] = v[base + 4 * (len(tiers) + r) + b] = 1.0
+  return v
+
+
+def choice_model(feats, tpos, l2: float = 0.01, steps: int = 1500):
+  """A conditional logit (softmax over a list's candidates of w . phi) fit by full-batch Adam on
+  the lists whose target is listed -> a pick function (argmax score)."""
+  rows = [(fs, t) for fs, t in zip(feats, tpos) if t >= 0 and len(fs) == 10]
+  x = np.stack([np.stack([_phi(k, f) for k, f in enumerate(fs)]) for fs, _ in rows])   # [n, 10, d]
+  y = np.eye(10)[[t for _, t in rows]]
+  w, m, v = np.zeros(x.shape[-1]), np.zeros(x.shape[-1]), np.zeros(x.shape[-1])
+  for i in range(1, steps + 1):
+    z = x @ w
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    g = np.einsum("nk,nkd->d", p - y, x) / len(rows) + l2 * w
+    m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
+    w -= 0.05 * (m / (1 - 0.9 ** i)) / (np.sqrt(v / (1 - 0.999 ** i)) + 1e-8)
+  return lambda fs: int(np.argmax([_phi(k, f) @ w for k, f in enumerate(fs)]))
+
+
 def main(argv):
   del argv
   wd = _WORKDIR.value
@@ -123,6 +156,8 @@ def main(argv):
       k = int(np.argmax(sc))
       return k if sc[k] >= sc[0] + m else 0
     rows.append((f"table P(target | position, relation), margin {margin}", pick))
+  rows.append(("list-wise choice model on the same marks, fit on the training lists",
+               choice_model(feats["train"], tpos["train"])))
   print("| policy | train R@1 | valid R@1 | valid - floor | valid override rate | "
         "override precision | #1 precision there |")
   print("|---|---|---|---|---|---|---|")
