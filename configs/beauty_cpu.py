@@ -89,7 +89,7 @@ def get_config(arg: str = ""):
   # errors: teacher_rl/valid_curve.json). Prompts from the natural lists only: on a list whose
   # target was inserted, the prompt's evidence rarely points to the target, so rewards there teach
   # the policy to ignore the evidence that validation and test lists carry. The SFT model answers
-  # almost every prompt one way at temperature 1 (97% of valid rollouts follow the trace policy):
+  # almost every prompt one way at temperature 1 (99% of valid rollouts follow the trace policy):
   # at 1.3 about one group in twenty compares different valid answers, and only those train
   # (`informative='valid'`; DAPO dynamic sampling draws up to 4 batches of 8 prompts a step). At lr
   # 1e-4 the validation curve fell steadily (-0.017 at step 200); at 3e-5 it stays within a
