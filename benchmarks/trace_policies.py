@@ -15,10 +15,17 @@ training lists (argmax, with a margin over #1). Last, a list-wise choice model f
 training lists (`choice_model`: a softmax over the ten candidates of a linear score of the same
 marks, position and their interactions): what a learner fit on those lists, the RL stages' prompt
 pool, gets from the marks beyond the fixed tiers.
+
+When the workdir also has its traces (`traces/train.jsonl`, `traces/policy.json`), a second table
+sets the prompt pools side by side under the chosen policy: every training list as built (with
+`task.insert_target`'s inserted targets), the inserted ones alone, the natural ones (the RL
+stages' `prompt_pool='natural'`) and validation; how often the target carries a next-purchase
+count, and what the policy's overrides win there.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -122,6 +129,37 @@ def choice_model(feats, tpos, l2: float = 0.01, steps: int = 1500):
   return lambda fs: int(np.argmax([_phi(k, f) @ w for k, f in enumerate(fs)]))
 
 
+def pool_table(wd: str, items, sids, max_history: int) -> list[str]:
+  """The markdown rows of the prompt-pool table (module docstring); [] without traces."""
+  paths = {s: os.path.join(wd, "traces", f"{s}.jsonl") for s in ("train", "valid")}
+  policy_path = os.path.join(wd, "traces", "policy.json")
+  if not all(os.path.exists(p) for p in [policy_path, *paths.values()]):
+    return []
+  with open(policy_path) as f:
+    chosen = json.load(f)["policy"]
+  listed = lambda r: r.get("target_pos") is not None and r["target_pos"] >= 0
+  recs = {s: [r for r in traces.read_jsonl(p) if listed(r)] for s, p in paths.items()}
+  pools = {"train, every list as built (targets inserted)": recs["train"],
+           "train, inserted targets only": [r for r in recs["train"] if r.get("inserted")],
+           "train, natural lists (`prompt_pool='natural'`)": [r for r in recs["train"] if not r.get("inserted")],
+           "validation": recs["valid"]}
+  out = ["| prompts | n | target has a next-purchase count | target is #1 | policy R@1 | policy - #1 | "
+         "override rate | override precision | #1 precision there |", "|---|---|---|---|---|---|---|---|---|"]
+  for name, rs in pools.items():
+    if not rs:
+      continue
+    t = np.asarray([r["target_pos"] for r in rs])
+    pick = np.asarray([policy_lib.choose_from([(f["next"], f["rel"]) for f in features(r, items, sids, max_history)],
+                                              chosen) for r in rs])
+    counted = np.mean([r["bought_next"][r["target_pos"]] > 0 for r in rs])
+    ov = pick != 0
+    sc = score([[None] * 10 for _ in rs], t.tolist(), lambda fs, it=iter(pick): int(next(it)))
+    out.append(f"| {name} | {len(rs):,} | {counted:.3f} | {np.mean(t == 0):.3f} | {sc['recall@1']:.4f} | "
+               f"{sc['recall@1'] - np.mean(t == 0):+.4f} | {ov.mean():.3f} | {sc['override_precision']:.3f} | "
+               f"{sc['top1_on_overrides']:.3f} |")
+  return out
+
+
 def main(argv):
   del argv
   wd = _WORKDIR.value
@@ -169,6 +207,10 @@ def main(argv):
           f"{va['override_rate']:.3f} | {va['override_precision']:.3f} | {va['top1_on_overrides']:.3f} |")
   print(f"(train n = {score(feats['train'], tpos['train'], lambda fs: 0)['n']}, "
         f"valid n = {score(feats['valid'], tpos['valid'], lambda fs: 0)['n']}: users whose target is listed)")
+  pools = pool_table(wd, items, sids, _MAX_HISTORY.value)
+  if pools:
+    print("\nThe prompt pools under the chosen policy (traces/policy.json):\n")
+    print("\n".join(pools))
 
 
 if __name__ == "__main__":
