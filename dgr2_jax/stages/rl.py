@@ -57,7 +57,7 @@ def _settings(config, workdir: str, stage: str, overrides: dict | None):
 def _hash(config, workdir: str, upstream: dict, stage: str, overrides: dict | None) -> str:
   config, rc, src = _settings(config, workdir, stage, overrides)
   # Fields at the values that train as before they existed stay out of the hash (built stages stay fresh).
-  unset = [k for k in ("dynamic_sampling", "min_informative_groups") if grpo.sampling_settings(rc)[0] == 1]
+  unset = ["dynamic_sampling", "min_informative_groups"] if grpo.sampling_settings(rc)[0] == 1 else []
   unset += ["informative"] if str(rc.get("informative", "any")) == "any" else []
   if unset:
     rc = rc.copy_and_resolve_references()

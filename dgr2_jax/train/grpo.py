@@ -10,10 +10,11 @@ Advantages (`group_advantages`): rewards come in consecutive groups of G rollout
 A = (R - mean) / std within the group (population std, ddof 0). A group whose rewards have
 std <= 1e-6 has no defined advantage and is dropped (keep_mask 0, A = 0). With `informative`
 'valid' a group is also dropped when its variance comes only from invalid rollouts (the valid
-rollouts' rewards all equal): such a group teaches the format by pushing up whatever answer the
-model already gives, and on a peaked policy most groups with any variance are of that kind. DAPO's dynamic sampling
-(`dynamic_sampling` > 1, `min_informative_groups`; train/rollouts.py) draws more prompt batches in
-a step until enough groups have reward variance, and trains on the kept groups of every draw.
+rollouts' rewards all equal, or fewer than two valid): such a group teaches the format by pushing
+up whatever answer the model already gives, and on a peaked policy most groups with any variance
+are of that kind. DAPO's dynamic sampling (`dynamic_sampling` > 1, `min_informative_groups`;
+train/rollouts.py) draws more prompt batches in a step until enough groups have reward variance,
+and trains on the kept groups of every draw.
 
 Objective (`ppo_terms`, DAPO token-level): with rho = exp(logp - old_logp) per committed token,
     J = sum_tokens min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) / (number of tokens in the batch)
@@ -121,9 +122,8 @@ def group_advantages(rewards_: np.ndarray, group_size: int, eps: float = 1e-6, v
   ok = std > eps
   if valid is not None:
     v = np.asarray(valid, bool).reshape(g.shape)
-    hi = np.where(v, g, -np.inf).max(1, keepdims=True)
-    lo = np.where(v, g, np.inf).min(1, keepdims=True)
-    ok &= (v.sum(1, keepdims=True) >= 2) & (hi - lo > eps)
+    # The valid rewards' range: 0 with one valid rollout, -inf with none.
+    ok &= np.where(v, g, -np.inf).max(1, keepdims=True) - np.where(v, g, np.inf).min(1, keepdims=True) > eps
   keep = np.broadcast_to(ok, g.shape)
   adv = np.where(keep, (g - mean) / np.where(keep, std, 1.0), 0.0)
   return adv.reshape(-1).astype(np.float32), keep.reshape(-1)
