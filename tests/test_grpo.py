@@ -169,3 +169,55 @@ def test_grpo_update_raises_toy_reward(toy):
   after = eval_reward(p)
   print('toy reward', before, after)
   assert after > before + 0.05, (before, after)
+
+
+def test_kl_to_the_start_is_logged_without_changing_the_update_and_trained_on_with_kl_coef(toy):
+  """grpo_loss's ref_params (the RL stages' frozen starting model): at kl_coef 0 the loss and its
+  gradient are those without it and kl_ref is the k3 KL of the replayed log-probs; at kl_coef > 0
+  it equals the batch['ref_logp'] route; under the start's own params the KL is 0."""
+  cfg, start, dc, prompts, lens = toy
+  # A policy one step away from the start, and rollouts sampled from it.
+  moved = jax.tree_util.tree_map(lambda x: x + 0.05 * jnp.sign(jnp.sin(jnp.arange(x.size).reshape(x.shape))), start)
+  roll = rollouts.sample(cfg, moved, prompts, lens, dc, jax.random.PRNGKey(7), G)
+  seg = rollouts.replay_inputs(roll, BS, 63)
+  adv, keep = grpo.group_advantages(_toy_reward(roll), G)
+  assert keep.any()
+  batch = dict(prompt=roll["prompt_ids"], prompt_len=roll["prompt_len"], old_logp=roll["logprob"],
+               advantages=adv, loss_mask=roll["loss_mask"] & keep[:, None],
+               **{k: seg[k] for k in rollouts.SEGMENT_KEYS})
+
+  def run(kl_coef, ref=None, b=batch):
+    f = lambda p: grpo.grpo_loss(cfg, p, b, None, ref, block_size=BS, objective=grpo.Objective(kl_coef=kl_coef),
+                                 temperature=1.0, mask_id=63)
+    (loss, m), grads = jax.value_and_grad(f, has_aux=True)(moved)
+    return float(loss), {k: float(v) for k, v in m.items()}, grads
+
+  flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(g)])
+  loss0, m0, g0 = run(0.0)
+  assert "kl_ref" not in m0
+  loss1, m1, g1 = run(0.0, start)
+  assert loss1 == loss0
+  np.testing.assert_array_equal(flat(g1), flat(g0))
+  # The k3 estimator over the loss tokens, from the two policies' replayed log-probs (numpy).
+  lp = lambda p: np.asarray(replay_lp(cfg, p, batch))
+  on = np.asarray(batch["loss_mask"], bool)
+  d = (lp(start) - lp(moved))[on]
+  np.testing.assert_allclose(m1["kl_ref"], np.mean(np.exp(d) - d - 1.0), rtol=1e-4)
+  assert m1["kl_ref"] > 1e-4
+  assert run(0.0, moved)[1]["kl_ref"] < 1e-6
+  # Trained on: the same loss and gradient as the precomputed route, and a different gradient.
+  loss2, m2, g2 = run(0.1, start)
+  loss3, _, g3 = run(0.1, None, dict(batch, ref_logp=lp(start)))
+  np.testing.assert_allclose(loss2, loss0 + 0.1 * m1["kl_ref"], rtol=1e-5)
+  np.testing.assert_allclose(loss3, loss2, rtol=1e-5)
+  np.testing.assert_allclose(flat(g3), flat(g2), rtol=1e-4, atol=1e-7)
+  assert np.abs(flat(g2) - flat(g0)).max() > 1e-6
+  with pytest.raises(ValueError, match="kl_coef > 0 needs the reference policy"):
+    run(0.1)
+
+
+def replay_lp(cfg, params, batch):
+  from dgr2_jax.train import replay
+  return replay.replay_logprobs(cfg, params, batch["prompt"], batch["prompt_len"],
+                                {k: batch[k] for k in ("clean", "seg_tokens", "pred_seg")}, BS,
+                                temperature=1.0, mask_id=63)

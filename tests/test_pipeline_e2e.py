@@ -57,6 +57,10 @@ def test_toy_pipeline_end_to_end(smoke_workdir):
     beat = [c for c in vc["curve"][1:] if 0 < c["valid_gain_over_start"] > 2 * c["valid_gain_se"]]
     top = max(beat, key=lambda c: (c["valid_recall@1"], c["valid_valid_rate"], -c["step"])) if beat else vc["curve"][0]
     assert vc["best_step"] == done["best_step"] == top["step"], (stage, vc, done)
+  # The RL stages log the KL to their starting model on every step that updates (rl.log_kl_ref).
+  for stage in ("teacher_rl", "rl"):
+    recs = [json.loads(x) for x in open(os.path.join(workdir, stage, "train", "metrics.jsonl"))]
+    assert recs and all(r["kl_ref"] >= 0.0 for r in recs if "loss" in r), (stage, recs)
   front = json.load(open(os.path.join(res, "frontier.json")))
   assert isinstance(front, list)
   frows = front

@@ -11,17 +11,18 @@ Per step (`rollouts.on_policy_batches` in `loop.train`): `rl.prompts_per_step` p
 their tokens get loss mask 0), and one optimizer step of `grpo.grpo_loss` is taken on the replayed
 log-probs (one update per batch, so the PPO ratio is 1 at the start of every step unless
 train.grad_accum_steps splits it; the clip matters once updates reuse rollouts). With `rl.kl_coef` >
-0 a frozen copy of the starting params supplies `ref_logp`. A step in which no group has reward
-variance (on any process) makes no update (`rollouts.on_policy_batches`). With `rl.dynamic_sampling`
-D > 1 (DAPO's dynamic sampling) a step draws up to D prompt batches from the same prompt iterator,
-stopping once `rl.min_informative_groups` groups (0 = prompts_per_step; counted over all processes)
-have reward variance, and makes one update on the kept groups of every draw (train batch: D x the
-rows of a draw, undrawn draws masked; D x train.grad_accum_steps micro-batches). Metrics: loss,
-policy_loss, clip_fraction, ratio_mean, kl_ref (the mean k3 KL to the starting model over the loss
-tokens, when kl_coef > 0), reward mean/std, valid_rate, overlong_rate, groups_dropped (1 - the
-informative share), update_skipped, mean_nfe, rollout/update time; with D > 1 also draws,
-informative_groups (in the update) and informative_fraction (of every group drawn), the draws'
-metrics averaged.
+0 (or `rl.log_kl_ref`, the default) a frozen copy of the starting params scores the step's rows
+inside the loss (`ref_params`). A step in which no group has reward variance (on any process) makes
+no update (`rollouts.on_policy_batches`). With `rl.dynamic_sampling` D > 1 (DAPO's dynamic
+sampling) a step draws up to D prompt batches from the same prompt iterator, stopping once
+`rl.min_informative_groups` groups (0 = prompts_per_step; counted over all processes) have reward
+variance, and makes one update on the kept groups of every draw (train batch: D x the rows of a
+draw, undrawn draws masked; D x train.grad_accum_steps micro-batches). Metrics: loss, policy_loss,
+clip_fraction, ratio_mean, kl_ref (the mean k3 KL to the starting model over the loss tokens:
+trained on when kl_coef > 0, logged only otherwise, absent when log_kl_ref is False too), reward
+mean/std, valid_rate, overlong_rate, groups_dropped (1 - the informative share), update_skipped,
+mean_nfe, rollout/update time; with D > 1 also draws, informative_groups (in the update) and
+informative_fraction (of every group drawn), the draws' metrics averaged.
 `grpo_stage` declares both this stage and `teacher_rl` (the AR teacher's RL); `train_grpo` trains.
 """
 
@@ -31,12 +32,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dgr2_jax.stages import common
 from dgr2_jax.stages import contract
 from dgr2_jax.stages import on_policy
-from dgr2_jax.train import grpo, loop, replay, rollouts
+from dgr2_jax.train import grpo, loop, rollouts
+from dgr2_jax.train import opd as opd_lib
 from dgr2_jax.train.config import section
 
 
@@ -59,6 +60,7 @@ def _hash(config, workdir: str, upstream: dict, stage: str, overrides: dict | No
   # Fields at the values that train as before they existed stay out of the hash (built stages stay fresh).
   unset = ["dynamic_sampling", "min_informative_groups"] if grpo.sampling_settings(rc)[0] == 1 else []
   unset += ["informative"] if str(rc.get("informative", "any")) == "any" else []
+  unset += ["log_kl_ref"]  # metrics only: the trained model does not depend on it
   if unset:
     rc = rc.copy_and_resolve_references()
     with rc.unlocked():
@@ -106,9 +108,12 @@ def train_grpo(config, workdir: str, build: contract.Build, rc, src: str) -> str
   dist = dict(temperature=dc.temperature, top_k=dc.top_k, top_p=dc.top_p, mask_id=mask_id)
   per_call = int(rc.get("rollout_batch_size", 0))
   informative = str(rc.get("informative", "any"))
-  if kl_coef > 0:
-    ref_params = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params)  # on the device(s)
-    ref_fn = jax.jit(lambda p, pr, pl, seg: replay.replay_logprobs(policy_cfg, p, pr, pl, seg, bs, **dist))
+  # The starting model, for kl_ref (trained on at kl_coef > 0, else logged): a frozen copy that
+  # every step's loss scores its rows under (`grpo.grpo_loss`'s ref_params; the loop skips the
+  # micro-batches without a loss token). A copy, not the same buffers: the train state is donated.
+  ref_params = None
+  if kl_coef > 0 or bool(rc.get("log_kl_ref", True)):
+    ref_params = opd_lib.frozen_teacher(policy_cfg, jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params))
 
   def make_batch(p, prompts, key):
     roll = rollouts.sample(policy_cfg, p, prompts["prompt_ids"], prompts["prompt_len"], dc, key, g,
@@ -120,12 +125,6 @@ def train_grpo(config, workdir: str, build: contract.Build, rc, src: str) -> str
     batch = dict(prompt=roll["prompt_ids"], prompt_len=roll["prompt_len"], old_logp=roll["logprob"],
                  advantages=adv, loss_mask=roll["loss_mask"] & keep[:, None],
                  **{n: seg[n] for n in rollouts.SEGMENT_KEYS})
-    if kl_coef > 0:  # scored rollout_batch_size rows at a time, like the decode
-      per = per_call or len(batch["prompt"])
-      batch["ref_logp"] = np.concatenate([np.asarray(ref_fn(ref_params, batch["prompt"][i:i + per],
-                                                            batch["prompt_len"][i:i + per],
-                                                            {n: seg[n][i:i + per] for n in rollouts.SEGMENT_KEYS}))
-                                          for i in range(0, len(batch["prompt"]), per)])
     m = on_policy.rollout_metrics(roll, scored, seg)
     m["groups_dropped"] = float(1.0 - keep.reshape(-1, g)[:, 0].mean())
     return batch, m
@@ -139,10 +138,9 @@ def train_grpo(config, workdir: str, build: contract.Build, rc, src: str) -> str
   loss_fn = functools.partial(grpo.grpo_loss, policy_cfg, block_size=bs, objective=grpo.Objective(
       clip_low=float(rc.clip_eps), clip_high=float(rc.clip_eps_high), kl_coef=kl_coef), **dist)
   prompt_iter = on_policy.prompt_iterator(task["prompts"], pps, int(config.seed))
-  state = loop.train(tconf, train_dir, params=params, loss_fn=loss_fn, desc=stage,
-                     step_batches=rollouts.on_policy_batches(make_batch, prompt_iter, int(config.seed),
-                                                             rollouts.DynamicSampling(draws, target, g,
-                                                                                      int(rc.grad_accum_steps))),
+  sampling = rollouts.DynamicSampling(draws, target, g, int(rc.grad_accum_steps))
+  state = loop.train(tconf, train_dir, params=params, loss_fn=loss_fn, desc=stage, frozen=ref_params,
+                     step_batches=rollouts.on_policy_batches(make_batch, prompt_iter, int(config.seed), sampling),
                      validation=loop.Validation(on_policy.validator(config, workdir, rc, policy_cfg, dc),
                                                 int(rc.get("valid_every", 0)), bool(rc.get("keep_best", False))))
   extra = {"steps": steps, "source": src, "examples": task["counts"], "best_step": state["best_step"]}

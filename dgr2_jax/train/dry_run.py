@@ -14,7 +14,8 @@ configs prints on a laptop CPU. Per device:
     positions) and OPD's teacher cache, plus the rollout decode, by the formulas of
     `dgr2_jax/train/memory_plan.py` (the ones benchmarks/stage_memory.py measures on CPU); OPD
     also holds a frozen copy of the teacher's params (in the compute dtype when the step scores
-    the teacher, `opd.frozen_teacher`). The plan fits when its largest stage does.
+    the teacher, `opd.frozen_teacher`), and the RL stages one of their starting model (in the
+    compute dtype; for the KL to it, `rl.log_kl_ref` or `rl.kl_coef` > 0). The plan fits when its largest stage does.
     `step_bytes` is one stage's training step alone (benchmarks/train_step.py compares it
     with XLA's plan and the measured peak).
   * decode KV cache for `eval.batch_size` rows of prompt_len + decode.max_new_tokens (inference).
@@ -39,7 +40,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from dgr2_jax import checks
 from dgr2_jax.model import qwen3
 from dgr2_jax.model.config import Qwen3Config
-from dgr2_jax.train import memory_plan, opd, optim
+from dgr2_jax.train import grpo, memory_plan, opd, optim
 from dgr2_jax.train.config import section
 from dgr2_jax.train import mesh as mesh_lib
 
@@ -101,7 +102,9 @@ def _leaves(tree):
 def state_bytes(config, mc, num_devices: int) -> dict:
   """Per-device bytes of the train state on `config.train.mesh` over `num_devices` devices, sharded
   as the training loop shards it: params and gradients in `train.param_dtype` (master weights),
-  the optimizer's state, and a frozen copy of the params (OPD's teacher). Also the mesh dims and the parameter count."""
+  the optimizer's state, and the frozen copies of the params (OPD's teacher; `frozen_ref`, per RL
+  stage, its starting model when it logs or trains on the KL to it). Also the mesh dims and the
+  parameter count."""
   tc = config.train
   dims = mesh_lib.mesh_shape(tc.mesh, num_devices)
   mesh = AbstractMesh(tuple(dims), mesh_lib.AXES)
@@ -118,9 +121,22 @@ def state_bytes(config, mc, num_devices: int) -> dict:
   # (opd.frozen_teacher); a teacher that fills a cache stays as loaded.
   mode = section(config, "opd", opd.opd_config).get("teacher_cache", "none")
   frozen_dt = mc.param_dtype if mode != "none" or mc.dtype == "auto" else mc.dtype
+  # The RL stages' starting model (kl_ref, grpo.grpo_loss's ref_params): held like OPD's teacher.
+  ref_dt = mc.param_dtype if mc.dtype == "auto" else mc.dtype
+  ref = {}
+  for stage in ("teacher_rl", "rl"):
+    rc = section(config, stage, grpo.rl_config)
+    held = float(rc.kl_coef) > 0 or bool(rc.get("log_kl_ref", True))
+    ref[stage] = params_b * _dtype_bytes(ref_dt) // _dtype_bytes(tc.param_dtype) if held else 0
   return {"dims": tuple(dims), "num_params": qwen3.count_params(shapes), "params": params_b,
           "optimizer": _sharded_bytes(o_shapes, o_sh), "gradients": params_b,
-          "frozen": params_b * _dtype_bytes(frozen_dt) // _dtype_bytes(tc.param_dtype)}
+          "frozen": params_b * _dtype_bytes(frozen_dt) // _dtype_bytes(tc.param_dtype), "frozen_ref": ref}
+
+
+def frozen_bytes(st: dict, stage: str) -> int:
+  """Per-device bytes of the frozen params `stage`'s step holds (`state_bytes` `st`): OPD's teacher,
+  the RL stages' starting model; 0 for the others."""
+  return st["frozen"] if stage == "opd" else st["frozen_ref"].get(stage, 0)
 
 
 def step_bytes(config, mc, stage: str, num_devices: int) -> dict:
@@ -131,7 +147,7 @@ def step_bytes(config, mc, stage: str, num_devices: int) -> dict:
   st = state_bytes(config, mc, num_devices)
   row = memory_plan.plan_stage(config, mc, stage, st["dims"])
   row.update(params=st["params"], optimizer=st["optimizer"], gradients=st["gradients"],
-             frozen_teacher=st["frozen"] if stage == "opd" else 0)
+             frozen_teacher=frozen_bytes(st, stage))
   row["train_step"] = st["params"] + st["optimizer"] + st["gradients"] + row["frozen_teacher"] + row["total"]
   return row
 
@@ -153,7 +169,7 @@ def plan(config) -> dict:
     if st_name not in on:
       continue
     row = memory_plan.plan_stage(config, mc, st_name, dims)
-    teacher = st["frozen"] if st_name == "opd" else 0  # a frozen teacher/ref copy
+    teacher = frozen_bytes(st, st_name)  # a frozen teacher/ref copy
     row["frozen_teacher"] = teacher
     row["total_train"] = params_b + opt_b + grads_b + teacher + max(row["total"], row["decode"])
     stages.append(row)

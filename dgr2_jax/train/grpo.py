@@ -58,6 +58,10 @@ def rl_config() -> ml_collections.ConfigDict:
   c.clip_eps = 0.2             # eps_low
   c.clip_eps_high = 0.2        # eps_high (DAPO clip-higher when > clip_eps)
   c.kl_coef = 0.0              # > 0: k3 KL to the starting (reference) model
+  # Log kl_ref (the k3 KL to the starting model over the loss tokens) every step even at kl_coef 0:
+  # keeps a frozen copy of the starting params and scores the step's informative rows under it
+  # (one forward of those rows, no gradient). Metrics only: the update is unchanged.
+  c.log_kl_ref = True
   c.temperature = 1.0          # rollout sampling temperature
   # Which train users' prompts: 'all' (whose target is listed, task.insert_target's inserted ones
   # included) | 'natural' (only lists where the retriever found the target itself, as on validation
@@ -151,7 +155,10 @@ def ppo_terms(logp, old_logp, adv, mask, *, clip_low: float = 0.2, clip_high: fl
   if ref_logp is not None:
     d = ref_logp - logp
     kl = norm(jnp.exp(d) - d - 1.0)
-    loss = loss + kl_coef * kl
+    if kl_coef > 0:
+      loss = loss + kl_coef * kl
+    else:  # logged only: no term in the loss, so no gradient path through it
+      kl = jax.lax.stop_gradient(kl)
     metrics["kl_ref"] = kl
   return loss, metrics
 
@@ -165,20 +172,28 @@ class Objective:
   kl_coef: float = 0.0
 
 
-def grpo_loss(model_config, params, batch: dict, rng=None, *, block_size: int, objective: Objective = Objective(),
-              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, mask_id=None) -> tuple[jax.Array, dict]:
+def grpo_loss(model_config, params, batch: dict, rng=None, ref_params=None, *, block_size: int,
+              objective: Objective = Objective(), temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+              mask_id=None) -> tuple[jax.Array, dict]:
   """-> (loss, metrics). batch: prompt [b,P], prompt_len [b], clean/seg_tokens/pred_seg (replay),
-  old_logp [b,R], advantages [b], loss_mask [b,R] (already 0 on dropped groups), and ref_logp
-  [b,R] when objective.kl_coef > 0. temperature/top_k/top_p are the rollouts' decoding distribution."""
+  old_logp [b,R], advantages [b], loss_mask [b,R] (already 0 on dropped groups). The reference
+  (starting) policy's log-probs come from `ref_params` (scored here under the same replay, no
+  gradient) or from batch['ref_logp'] [b,R]; one of them is needed when objective.kl_coef > 0, and
+  with kl_coef 0 either one makes kl_ref a logged metric only. temperature/top_k/top_p are the
+  rollouts' decoding distribution."""
   del rng
   kl_coef = objective.kl_coef
   mask_id = model_config.mask_token_id if mask_id is None else mask_id
-  logp = replay.replay_logprobs(model_config, params, batch["prompt"], batch["prompt_len"],
-                                   {k: batch[k] for k in ("clean", "seg_tokens", "pred_seg")}, block_size,
-                                   temperature=temperature, top_k=top_k, top_p=top_p, mask_id=mask_id)
-  ref = batch.get("ref_logp") if kl_coef > 0 else None
+  replayed = {k: batch[k] for k in ("clean", "seg_tokens", "pred_seg")}
+  dist = dict(temperature=temperature, top_k=top_k, top_p=top_p, mask_id=mask_id)
+  logp = replay.replay_logprobs(model_config, params, batch["prompt"], batch["prompt_len"], replayed, block_size,
+                                **dist)
+  ref = batch.get("ref_logp")
+  if ref_params is not None:
+    ref = jax.lax.stop_gradient(replay.replay_logprobs(model_config, ref_params, batch["prompt"],
+                                                       batch["prompt_len"], replayed, block_size, **dist))
   if kl_coef > 0 and ref is None:
-    raise ValueError("rl.kl_coef > 0 needs ref_logp in the batch")
+    raise ValueError("rl.kl_coef > 0 needs the reference policy (ref_params or batch['ref_logp'])")
   return ppo_terms(logp, batch["old_logp"], batch["advantages"], batch["loss_mask"], clip_low=objective.clip_low,
                    clip_high=objective.clip_high, kl_coef=kl_coef, ref_logp=ref)
 
