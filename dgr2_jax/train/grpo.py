@@ -173,19 +173,19 @@ class Objective:
 
 
 def grpo_loss(model_config, params, batch: dict, rng=None, ref_params=None, *, block_size: int,
-              objective: Objective = Objective(), temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-              mask_id=None) -> tuple[jax.Array, dict]:
+              objective: Objective = Objective(), **sampling) -> tuple[jax.Array, dict]:
   """-> (loss, metrics). batch: prompt [b,P], prompt_len [b], clean/seg_tokens/pred_seg (replay),
   old_logp [b,R], advantages [b], loss_mask [b,R] (already 0 on dropped groups). The reference
   (starting) policy's log-probs come from `ref_params` (scored here under the same replay, no
   gradient) or from batch['ref_logp'] [b,R]; one of them is needed when objective.kl_coef > 0, and
-  with kl_coef 0 either one makes kl_ref a logged metric only. temperature/top_k/top_p are the
-  rollouts' decoding distribution."""
+  with kl_coef 0 either one makes kl_ref a logged metric only. `sampling`: the rollouts' decoding
+  distribution, `replay.replay_logprobs`'s temperature / top_k / top_p / mask_id (defaults here:
+  temperature 1, the model's mask token)."""
   del rng
   kl_coef = objective.kl_coef
-  mask_id = model_config.mask_token_id if mask_id is None else mask_id
   replayed = {k: batch[k] for k in ("clean", "seg_tokens", "pred_seg")}
-  dist = dict(temperature=temperature, top_k=top_k, top_p=top_p, mask_id=mask_id)
+  dist = {"temperature": 1.0, **sampling}
+  dist["mask_id"] = model_config.mask_token_id if dist.get("mask_id") is None else dist["mask_id"]
   logp = replay.replay_logprobs(model_config, params, batch["prompt"], batch["prompt_len"], replayed, block_size,
                                 **dist)
   ref = batch.get("ref_logp")
