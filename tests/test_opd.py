@@ -293,6 +293,13 @@ def test_a_batch_without_loss_tokens_makes_no_update(setup, tmp_path):
   assert int(state["step"]) == 2   # the state counts updates: steps 1 and 3
 
 
+def test_keep_bar_is_two_standard_errors_split_over_the_later_points():
+  """One-sided normal quantiles at 0.025 / k (a standard table), never below 2 standard errors."""
+  for k, z in ((1, 2.0), (2, 2.2414), (3, 2.3940), (4, 2.4977), (8, 2.7344)):
+    assert loop.keep_bar(2.0, k) == pytest.approx(z, abs=1e-4), k
+  assert loop.keep_bar(3.0, 2) == 3.0 and loop.keep_bar(2.0, 0) == 2.0
+
+
 def test_a_stage_without_a_validator_trains_without_a_curve(setup, tmp_path):
   """`Validation(None, ...)` (an on-policy stage whose valid_prompts is 0): no validation runs and
   the state has an empty curve and no best step, keep_best or not."""
@@ -313,14 +320,16 @@ def test_a_stage_without_a_validator_trains_without_a_curve(setup, tmp_path):
 START_HITS = [1] * 4 + [0] * 16                            # 20 validation users, Recall@1 0.2
 CLEAR_GAIN = [1] * 10 + [0] * 10                           # +6 users, none lost: +0.3, SE 0.105
 NOISE_GAIN = [1, 1, 1, 0] + [1] * 3 + [0] * 13             # +3 users, -1: +0.1, SE 0.1 (< 2 SE)
+BORDER_GAIN = [1] * 8 + [0] * 12                           # +4 users, none lost: +0.2, SE 0.092 (2.18 SE)
 
 
 @pytest.mark.parametrize("later,rates,best", [(CLEAR_GAIN, (1.0, 0.8, 0.8), 2), (CLEAR_GAIN, (1.0, 0.8, 0.9), 3),
-                                              (NOISE_GAIN, (1.0, 0.8, 0.9), 0)])
+                                              (NOISE_GAIN, (1.0, 0.8, 0.9), 0), (BORDER_GAIN, (1.0, 0.8, 0.9), 0)])
 def test_on_policy_validation_curve_keeps_the_best_point(setup, tmp_path, later, rates, best):
   """`validate` runs before step 1, every `Validation.every` steps and at the last; `keep_best`
   returns the params of the best point (ties: the higher valid rate, then the earliest) among those
-  that beat the first point by 2 paired standard errors, else the first point's."""
+  that beat the first point by the keep bar, else the first point's. Two later points: the bar is
+  z at 0.025 / 2 = 2.2414 standard errors (a normal table), so a 2.18 SE gain is not kept."""
   cfg, teacher, _, toks, lens = setup
   # Params of its own (not the fixture's `other`).
   other = jax.tree_util.tree_map(lambda x: x * 8 if x.ndim == 2 else x, qwen3.init_params(cfg, jax.random.PRNGKey(2)))
@@ -344,6 +353,7 @@ def test_on_policy_validation_curve_keeps_the_best_point(setup, tmp_path, later,
                                    make_batch=make_batch, prompt_iter=iter(lambda: dict(prompts), None),
                                    desc="curve-test", validation=loop.Validation(validate, 2, keep_best=True))
   assert [c["step"] for c in state["valid_curve"]] == [0, 2, 3] and state["best_step"] == best
+  assert state["keep_bar_se"] == pytest.approx(2.2414, abs=1e-4)
   assert len(seen) == 3 and not np.allclose(seen[1], seen[2])
   np.testing.assert_array_equal(np.asarray(jax.tree_util.tree_leaves(state["params"])[0]),
                                 seen[{0: 0, 2: 1, 3: 2}[best]])

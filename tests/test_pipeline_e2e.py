@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -54,7 +55,10 @@ def test_toy_pipeline_end_to_end(smoke_workdir):
     done = json.load(open(os.path.join(workdir, stage, "DONE.json")))
     vc = json.load(open(os.path.join(workdir, stage, "valid_curve.json")))
     assert [c["step"] for c in vc["curve"]] == list(range(done["steps"] + 1)) and vc["kept"] == "best", vc
-    beat = [c for c in vc["curve"][1:] if 0 < c["valid_gain_over_start"] > 2 * c["valid_gain_se"]]
+    # The bar: 2 standard errors, raised by Bonferroni over the later points (one-sided 2.5%).
+    bar = max(2.0, statistics.NormalDist().inv_cdf(1 - 0.025 / max(len(vc["curve"]) - 1, 1)))
+    assert abs(vc["keep_bar_se"] - bar) < 1e-9, (stage, vc)
+    beat = [c for c in vc["curve"][1:] if 0 < c["valid_gain_over_start"] > bar * c["valid_gain_se"]]
     top = max(beat, key=lambda c: (c["valid_recall@1"], c["valid_valid_rate"], -c["step"])) if beat else vc["curve"][0]
     assert vc["best_step"] == done["best_step"] == top["step"], (stage, vc, done)
   # The RL stages log the KL to their starting model on every step that updates (rl.log_kl_ref).

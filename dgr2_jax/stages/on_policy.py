@@ -161,12 +161,14 @@ def validator(config, workdir: str, rc, policy_cfg, dc):
 
 
 def write_valid_curve(tmp: str, state: dict, sc) -> None:
-  """`tmp/valid_curve.json`: the validation curve of `train_on_policy`'s state, the best step and
-  which model the stage kept (section `sc`'s keep_best); nothing without a curve."""
+  """`tmp/valid_curve.json`: the validation curve of `train_on_policy`'s state, the best step,
+  which model the stage kept (section `sc`'s keep_best) and, with keep_best, the paired standard
+  errors a later point had to beat the start by (`loop.keep_bar`); nothing without a curve."""
   if state["valid_curve"]:
     common.write_json_atomic(os.path.join(tmp, "valid_curve.json"),
                              {"curve": state["valid_curve"], "best_step": state["best_step"],
-                              "kept": "best" if sc.get("keep_best", False) else "last"})
+                              "kept": "best" if sc.get("keep_best", False) else "last",
+                              "keep_bar_se": state.get("keep_bar_se")})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,7 +85,7 @@ def rl_config() -> ml_collections.ConfigDict:
   # first step and every `valid_every` steps (0 = none), in the stage's valid_curve.json.
   c.valid_every = 0
   c.valid_prompts = 512        # validation users decoded per point of the curve
-  c.keep_best = False          # the best point beating the start by 2 paired SEs (else the start), not the last
+  c.keep_best = False          # the best point beating the start by >= 2 paired SEs (loop.keep_bar), else the start
   return c
 
 

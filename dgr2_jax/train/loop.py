@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import statistics
 import time
 from typing import Any, Callable, Iterable
 
@@ -58,16 +59,25 @@ class Validation:
   step, every `every` steps and at the last (never when `every` <= 0).
 
   `keep_best` returns the params of the best point that beats the run's first point (its starting
-  params) by more than `margin_se` standard errors of the paired per-user difference, and the
-  starting params when no point does: a curve measured on a few hundred users moves by noise, and
-  the strict maximum of a noisy curve picks a trained step even when every step is worse. `fn`
-  then also returns `valid_hits`, each validation user's Recall@1 hit (0/1) in a fixed order (the
-  same users at every point), which pairs the points.
+  params) by more than `keep_bar(margin_se, k)` standard errors of the paired per-user difference,
+  k the run's later points, and the starting params when no point does: a curve measured on a few
+  hundred users moves by noise, and the strict maximum of a noisy curve picks a trained step even
+  when every step is worse. `fn` then also returns `valid_hits`, each validation user's Recall@1
+  hit (0/1) in a fixed order (the same users at every point), which pairs the points.
   """
   fn: Callable[[Any], dict] | None   # None: no validation (a stage whose valid_prompts is 0)
   every: int = 0
   keep_best: bool = False
   margin_se: float = 2.0
+
+
+def keep_bar(margin_se: float, later_points: int) -> float:
+  """The paired standard errors a later point must beat the start by: `margin_se`, raised to the
+  one-sided 2.5% normal quantile split over the `later_points` tested (Bonferroni: 1.96 for one,
+  2.24 for two, 2.39 for three, 2.50 for four), so that a longer curve does not give a run of
+  noise steps more chances to win than one point has."""
+  k = max(int(later_points), 1)
+  return max(float(margin_se), statistics.NormalDist().inv_cdf(1.0 - 0.025 / k))
 
 
 def paired_gain(hits, start_hits) -> tuple[float, float]:
@@ -333,6 +343,11 @@ class _Validator:
     self.v = validation
     self.curve, self.best = [], None   # best: ((recall, valid rate) or None at the start, step, params copy)
     self.start_hits = None
+    self.bar = float(validation.margin_se)   # `keep_bar` of the run's later points (`plan`)
+
+  def plan(self, start: int, total: int) -> None:
+    """Sets the keep bar from the points this run will test after its first (at `start`)."""
+    self.bar = keep_bar(self.v.margin_se, sum(1 for s in range(start + 1, total + 1) if self.due(s, total)))
 
   @property
   def active(self) -> bool:
@@ -356,7 +371,7 @@ class _Validator:
         gain, se = paired_gain(hits, self.start_hits)
         vm.update(valid_gain_over_start=gain, valid_gain_se=se)
         key = (vm["valid_recall@1"], vm.get("valid_valid_rate", 0.0))
-        if gain > self.v.margin_se * se and gain > 0 and (self.best[0] is None or key > self.best[0]):
+        if gain > self.bar * se and gain > 0 and (self.best[0] is None or key > self.best[0]):
           self.best = (key, step, jax.tree_util.tree_map(jnp.copy, params))
     self.curve.append({"step": step, **vm})
     return vm
@@ -364,7 +379,8 @@ class _Validator:
   def finish(self, state: dict) -> dict:
     if self.best is not None:
       state = dict(state, params=self.best[2])
-    return dict(state, valid_curve=self.curve, best_step=None if self.best is None else self.best[1])
+    return dict(state, valid_curve=self.curve, best_step=None if self.best is None else self.best[1],
+                keep_bar_se=self.bar if self.v.keep_best else None)
 
 
 def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable[dict] | None = None,
@@ -381,11 +397,11 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
   `validation` runs `validation.fn(params) -> {"valid_recall@1": x, ...}` before the first step,
   every `validation.every` steps and at the last: its numbers join that step's metrics and the
   returned state's `valid_curve`. `keep_best` returns the params of the best point among those
-  that beat the curve's first point by `validation.margin_se` paired standard errors (the highest
+  that beat the curve's first point by `keep_bar` paired standard errors (the highest
   `valid_recall@1`, ties broken by the higher `valid_valid_rate`, then the earliest step), else
   the first point's (`Validation`); it holds one more copy of the params on the devices, and a
   resumed run's curve, and so the point it must beat, starts at the resumed step. With
-  `validation` the state also has `best_step` (None unless keep_best).
+  `validation` the state also has `best_step` and `keep_bar_se` (None unless keep_best).
   Returns the final train-state dict (sharded jax arrays).
   """
   if (batch_iter is None) == (step_batches is None):
@@ -408,6 +424,8 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
   writer = metrics_lib.MetricsWriter(workdir, total, start, bool(tc.tensorboard),
                                      jax.process_index() == 0, desc)
   val = _Validator(validation) if validation is not None else None
+  if val is not None:
+    val.plan(start, total)
   log_every, ckpt_every = max(int(tc.log_every), 1), max(int(tc.checkpoint_every), 1)
   last_saved = start if start else None
   t0, t_steps = time.perf_counter(), 0
