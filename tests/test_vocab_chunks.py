@@ -107,10 +107,10 @@ def _one_step(loss_fn, params, batch, k, frozen=None):
   return jax.device_get(state["params"]), jax.device_get(m)
 
 
-@pytest.mark.parametrize("name", ["opd", "rl"])
+@pytest.mark.parametrize("name", ["opd", "rl", "rl with the KL to its start"])
 def test_grad_accumulation_over_rollout_micro_batches_equals_one_batch(data, name):
   """prompts x rollouts is a global batch: 3 micro-batches of 2 rollouts == one batch of 6 (the
-  loss normaliser is the global token count)."""
+  loss normaliser is the global token count); also with RL's frozen start scored in the step."""
   cfg, bcfg, params, teacher, roll, base, _ = data
   if name == "opd":
     loss_fn = lambda p, b, rng, t: opd.opd_loss(bcfg, p, b, rng, t, block_size=BS, teacher_cache="none",
@@ -119,8 +119,13 @@ def test_grad_accumulation_over_rollout_micro_batches_equals_one_batch(data, nam
   else:
     adv, keep = grpo.group_advantages(np.asarray([0.1, 0.5, -1.0, 0.3, 0.2, 0.9], np.float32), G)
     batch = dict(base, old_logp=roll["logprob"], advantages=adv, loss_mask=base["loss_mask"] & keep[:, None])
-    loss_fn = lambda p, b, rng: grpo.grpo_loss(bcfg, p, b, rng, block_size=BS, temperature=1.0, mask_id=63)
-    frozen = None
+    if name == "rl":
+      loss_fn = lambda p, b, rng: grpo.grpo_loss(bcfg, p, b, rng, block_size=BS, temperature=1.0, mask_id=63)
+      frozen = None
+    else:  # the start: other weights than the trained ones, so the KL term is not zero
+      loss_fn = lambda p, b, rng, ref: grpo.grpo_loss(bcfg, p, b, rng, ref, block_size=BS, temperature=1.0,
+                                                      mask_id=63, objective=grpo.Objective(kl_coef=0.5))
+      frozen = jax.tree_util.tree_map(lambda x: x * 1.1, params)
   # Rows of unequal token counts, so an unweighted mean of micro-batch losses would differ (cut
   # here rather than left to where the sampled rollouts happen to stop).
   counted = np.arange(R)[None] < np.asarray([R, 9, 12, 5, R, 7])[:, None]
@@ -136,7 +141,7 @@ def test_grad_accumulation_over_rollout_micro_batches_equals_one_batch(data, nam
 
 
 def test_loss_memory_at_qwen3_vocabulary_is_a_few_chunks():
-  """Compiled (not run) value-and-grad of the SFT, CFT and OPD losses at V = 152,961 with a tiny
+  """Compiled (not run) value-and-grad of the SFT, CFT, OPD and RL losses at V = 152,961 with a tiny
   width: XLA's temporary memory is a few chunks of logits, not the [tokens, V] arrays the same
   loss in one chunk plans for."""
   v, b, p, r, chunk = 152_961, 2, 64, 512, 64
@@ -157,7 +162,10 @@ def test_loss_memory_at_qwen3_vocabulary_is_a_few_chunks():
             "cft": (lambda prm, bt: cft.cft_loss(bc, prm, bt, jax.random.PRNGKey(0), block_size=32, mask_id=v - 1),
                     sft_b),
             "opd (teacher in the step)": (lambda prm, bt: opd.opd_loss(bc, prm, bt, None, prm, block_size=32,
-                                                                       teacher_cache="none", teacher_config=c), opd_b)}
+                                                                       teacher_cache="none", teacher_config=c), opd_b),
+            "rl (its start in the step)": (lambda prm, bt: grpo.grpo_loss(bc, prm, bt, None, prm, block_size=32,
+                                                                          objective=grpo.Objective(kl_coef=0.1)),
+                                           dict(opd_b, old_logp=f32(b, r), advantages=f32(b)))}
 
   def temp(fn, batch):
     return jax.jit(jax.value_and_grad(fn, has_aux=True)).lower(shapes, batch).compile().memory_analysis(
