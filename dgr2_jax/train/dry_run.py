@@ -15,7 +15,8 @@ configs prints on a laptop CPU. Per device:
     `dgr2_jax/train/memory_plan.py` (the ones benchmarks/stage_memory.py measures on CPU); OPD
     also holds a frozen copy of the teacher's params (in the compute dtype when the step scores
     the teacher, `opd.frozen_teacher`), and the RL stages one of their starting model (in the
-    compute dtype; for the KL to it, `rl.log_kl_ref` or `rl.kl_coef` > 0). The plan fits when its largest stage does.
+    compute dtype; for the KL to it, `rl.log_kl_ref` or `rl.kl_coef` > 0). The plan fits when
+    its largest stage does.
     `step_bytes` is one stage's training step alone (benchmarks/train_step.py compares it
     with XLA's plan and the measured peak).
   * decode KV cache for `eval.batch_size` rows of prompt_len + decode.max_new_tokens (inference).
