@@ -46,6 +46,7 @@ from ml_collections import config_flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from dgr2_jax import fileio  # noqa: E402
 from dgr2_jax import main as main_lib  # noqa: E402
 from dgr2_jax.task import diagnostics  # noqa: E402
 
@@ -222,11 +223,7 @@ def mean_kl(per_prompt) -> float:
 
 def kept_start(workdir: str, stage: str) -> bool:
   """Whether an on-policy stage published its starting model (`keep_best` kept step 0)."""
-  path = os.path.join(workdir, stage, "DONE.json")
-  if not os.path.exists(path):
-    return False
-  with open(path) as f:
-    return json.load(f).get("best_step", -1) == 0
+  return (fileio.read_done(os.path.join(workdir, stage)) or {}).get("best_step", -1) == 0
 
 
 def rl_reward_trend(workdir: str) -> tuple[float, float, int] | None:
