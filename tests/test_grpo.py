@@ -174,7 +174,7 @@ def test_grpo_update_raises_toy_reward(toy):
 def test_kl_to_the_start_is_logged_without_changing_the_update_and_trained_on_with_kl_coef(toy):
   """grpo_loss's ref_params (the RL stages' frozen starting model): at kl_coef 0 the loss and its
   gradient are those without it and kl_ref is the k3 KL of the replayed log-probs; at kl_coef > 0
-  it equals the batch['ref_logp'] route; under the start's own params the KL is 0."""
+  it equals ppo_terms given the start's log-probs; under the start's own params the KL is 0."""
   cfg, start, dc, prompts, lens = toy
   # A policy one step away from the start, and rollouts sampled from it.
   moved = jax.tree_util.tree_map(lambda x: x + 0.05 * jnp.sign(jnp.sin(jnp.arange(x.size).reshape(x.shape))), start)
@@ -186,8 +186,8 @@ def test_kl_to_the_start_is_logged_without_changing_the_update_and_trained_on_wi
                advantages=adv, loss_mask=roll["loss_mask"] & keep[:, None],
                **{k: seg[k] for k in rollouts.SEGMENT_KEYS})
 
-  def run(kl_coef, ref=None, b=batch):
-    f = lambda p: grpo.grpo_loss(cfg, p, b, None, ref, block_size=BS, objective=grpo.Objective(kl_coef=kl_coef),
+  def run(kl_coef, ref=None):
+    f = lambda p: grpo.grpo_loss(cfg, p, batch, None, ref, block_size=BS, objective=grpo.Objective(kl_coef=kl_coef),
                                  temperature=1.0, mask_id=63)
     (loss, m), grads = jax.value_and_grad(f, has_aux=True)(moved)
     return float(loss), {k: float(v) for k, v in m.items()}, grads
@@ -205,9 +205,12 @@ def test_kl_to_the_start_is_logged_without_changing_the_update_and_trained_on_wi
   np.testing.assert_allclose(m1["kl_ref"], np.mean(np.exp(d) - d - 1.0), rtol=1e-4)
   assert m1["kl_ref"] > 1e-4
   assert run(0.0, moved)[1]["kl_ref"] < 1e-6
-  # Trained on: the same loss and gradient as the precomputed route, and a different gradient.
+  # Trained on: the same loss and gradient as ppo_terms given the start's log-probs, and a
+  # different gradient.
   loss2, m2, g2 = run(0.1, start)
-  loss3, _, g3 = run(0.1, None, dict(batch, ref_logp=lp(start)))
+  explicit = lambda p: grpo.ppo_terms(replay_lp(cfg, p, batch), batch["old_logp"], batch["advantages"],
+                                      batch["loss_mask"], kl_coef=0.1, ref_logp=lp(start))
+  (loss3, _), g3 = jax.value_and_grad(explicit, has_aux=True)(moved)
   np.testing.assert_allclose(loss2, loss0 + 0.1 * m1["kl_ref"], rtol=1e-5)
   np.testing.assert_allclose(loss3, loss2, rtol=1e-5)
   np.testing.assert_allclose(flat(g3), flat(g2), rtol=1e-4, atol=1e-7)

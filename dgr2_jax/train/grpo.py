@@ -175,12 +175,11 @@ class Objective:
 def grpo_loss(model_config, params, batch: dict, rng=None, ref_params=None, *, block_size: int,
               objective: Objective = Objective(), **sampling) -> tuple[jax.Array, dict]:
   """-> (loss, metrics). batch: prompt [b,P], prompt_len [b], clean/seg_tokens/pred_seg (replay),
-  old_logp [b,R], advantages [b], loss_mask [b,R] (already 0 on dropped groups). The reference
-  (starting) policy's log-probs come from `ref_params` (scored here under the same replay, no
-  gradient) or from batch['ref_logp'] [b,R]; one of them is needed when objective.kl_coef > 0, and
-  with kl_coef 0 either one makes kl_ref a logged metric only. `sampling`: the rollouts' decoding
-  distribution, `replay.replay_logprobs`'s temperature / top_k / top_p / mask_id (defaults here:
-  temperature 1, the model's mask token)."""
+  old_logp [b,R], advantages [b], loss_mask [b,R] (already 0 on dropped groups). `ref_params`:
+  the reference (starting) policy, scored here under the same replay with no gradient; needed when
+  objective.kl_coef > 0, and with kl_coef 0 it makes kl_ref a logged metric only. `sampling`: the
+  rollouts' decoding distribution, `replay.replay_logprobs`'s temperature / top_k / top_p /
+  mask_id (defaults here: temperature 1, the model's mask token)."""
   del rng
   kl_coef = objective.kl_coef
   replayed = {k: batch[k] for k in ("clean", "seg_tokens", "pred_seg")}
@@ -188,12 +187,10 @@ def grpo_loss(model_config, params, batch: dict, rng=None, ref_params=None, *, b
   dist["mask_id"] = model_config.mask_token_id if dist.get("mask_id") is None else dist["mask_id"]
   logp = replay.replay_logprobs(model_config, params, batch["prompt"], batch["prompt_len"], replayed, block_size,
                                 **dist)
-  ref = batch.get("ref_logp")
-  if ref_params is not None:
-    ref = jax.lax.stop_gradient(replay.replay_logprobs(model_config, ref_params, batch["prompt"],
-                                                       batch["prompt_len"], replayed, block_size, **dist))
-  if kl_coef > 0 and ref is None:
-    raise ValueError("rl.kl_coef > 0 needs the reference policy (ref_params or batch['ref_logp'])")
+  if kl_coef > 0 and ref_params is None:
+    raise ValueError("rl.kl_coef > 0 needs the reference policy (ref_params)")
+  ref = None if ref_params is None else jax.lax.stop_gradient(replay.replay_logprobs(
+      model_config, ref_params, batch["prompt"], batch["prompt_len"], replayed, block_size, **dist))
   return ppo_terms(logp, batch["old_logp"], batch["advantages"], batch["loss_mask"], clip_low=objective.clip_low,
                    clip_high=objective.clip_high, kl_coef=kl_coef, ref_logp=ref)
 
