@@ -120,10 +120,10 @@ def state_bytes(config, mc, num_devices: int) -> dict:
   params_b = _sharded_bytes(shapes, p_sh)
   # OPD's teacher scored in the step (teacher_cache 'none') is held in the compute dtype
   # (opd.frozen_teacher); a teacher that fills a cache stays as loaded.
-  mode = section(config, "opd", opd.opd_config).get("teacher_cache", "none")
-  frozen_dt = mc.param_dtype if mode != "none" or mc.dtype == "auto" else mc.dtype
-  # The RL stages' starting model (kl_ref, grpo.grpo_loss's ref_params): held like OPD's teacher.
+  # The RL stages' starting model (kl_ref, grpo.grpo_loss's ref_params) is held the same way.
   ref_dt = mc.param_dtype if mc.dtype == "auto" else mc.dtype
+  mode = section(config, "opd", opd.opd_config).get("teacher_cache", "none")
+  frozen_dt = ref_dt if mode == "none" else mc.param_dtype
   ref = {}
   for stage in ("teacher_rl", "rl"):
     rc = section(config, stage, grpo.rl_config)
