@@ -16,6 +16,13 @@ training lists (`choice_model`: a softmax over the ten candidates of a linear sc
 marks, position and their interactions): what a learner fit on those lists, the RL stages' prompt
 pool, gets from the marks beyond the fixed tiers.
 
+Then the ceiling a learner reaches on validation's own distribution (`cross_validated`): the same
+choice model, and one that also sees the SID codes shared with the last purchase and the brands
+of the last two purchases, fit on the training lists plus four fifths of validation and scored on
+the fifth it did not see (5 folds), each beside the chosen trace policy on the same users (paired
+difference and its standard error). A re-ranker that reads these features cannot be expected to
+beat the policy by more than this row does.
+
 When the workdir also has its traces (`traces/train.jsonl`, `traces/policy.json`), a second table
 sets the prompt pools side by side under the chosen policy: every training list as built (with
 `task.insert_target`'s inserted targets), the inserted ones alone, the natural ones (the RL
@@ -112,11 +119,23 @@ def _phi(k: int, f: dict) -> np.ndarray:
   return v
 
 
-def choice_model(feats, tpos, l2: float = 0.01, steps: int = 1500):
+def _phi_sid_brand(k: int, f: dict) -> np.ndarray:
+  """`_phi` plus what else the prompt shows about a candidate: its SID's first code and first two
+  codes shared with the last purchase, and its brand among the last two purchases' (each alone
+  and crossed with the position bucket)."""
+  b = 0 if k == 0 else 1 if k < 3 else 2 if k < 6 else 3
+  extra = np.zeros(3 * 5)
+  for j, key in enumerate(("code1", "code2", "brand_last2")):
+    if f[key]:
+      extra[5 * j] = extra[5 * j + 1 + b] = 1.0
+  return np.concatenate([_phi(k, f), extra])
+
+
+def choice_model(feats, tpos, l2: float = 0.01, steps: int = 1500, phi=_phi):
   """A conditional logit (softmax over a list's candidates of w . phi) fit by full-batch Adam on
   the lists whose target is listed -> a pick function (argmax score)."""
   rows = [(fs, t) for fs, t in zip(feats, tpos) if t >= 0 and len(fs) == 10]
-  x = np.stack([np.stack([_phi(k, f) for k, f in enumerate(fs)]) for fs, _ in rows])   # [n, 10, d]
+  x = np.stack([np.stack([phi(k, f) for k, f in enumerate(fs)]) for fs, _ in rows])   # [n, 10, d]
   y = np.eye(10)[[t for _, t in rows]]
   w, m, v = np.zeros(x.shape[-1]), np.zeros(x.shape[-1]), np.zeros(x.shape[-1])
   for i in range(1, steps + 1):
@@ -126,7 +145,22 @@ def choice_model(feats, tpos, l2: float = 0.01, steps: int = 1500):
     g = np.einsum("nk,nkd->d", p - y, x) / len(rows) + l2 * w
     m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
     w -= 0.05 * (m / (1 - 0.9 ** i)) / (np.sqrt(v / (1 - 0.999 ** i)) + 1e-8)
-  return lambda fs: int(np.argmax([_phi(k, f) @ w for k, f in enumerate(fs)]))
+  return lambda fs: int(np.argmax([phi(k, f) @ w for k, f in enumerate(fs)]))
+
+
+def cross_validated(train_feats, train_tpos, feats, tpos, phi=_phi, folds: int = 5, seed: int = 0,
+                    steps: int = 1500) -> np.ndarray:
+  """Each list's pick by a choice model fit on the training lists and the other folds of
+  (feats, tpos): [len(feats)] positions. Fold k's picks never see fold k's targets."""
+  fold = np.random.default_rng(seed).integers(0, folds, len(feats))
+  picks = np.zeros(len(feats), int)
+  for k in range(folds):
+    out = fold == k
+    pick = choice_model(list(train_feats) + [f for f, o in zip(feats, out) if not o],
+                        list(train_tpos) + [t for t, o in zip(tpos, out) if not o], steps=steps, phi=phi)
+    for i in np.flatnonzero(out):
+      picks[i] = pick(feats[i])
+  return picks
 
 
 def pool_table(wd: str, items, sids, max_history: int) -> list[str]:
@@ -157,6 +191,30 @@ def pool_table(wd: str, items, sids, max_history: int) -> list[str]:
     out.append(f"| {name} | {len(rs):,} | {counted:.3f} | {floor:.3f} | {r1:.4f} | {r1 - floor:+.4f} | "
                f"{ov.mean():.3f} | {np.mean(pick[ov] == t[ov]):.3f} | {np.mean(t[ov] == 0):.3f} |")
   return out
+
+
+def ceiling_table(feats, tpos, wd: str, rows) -> str:
+  """The cross-validated choice models on validation beside the chosen policy (module docstring):
+  `traces/policy.json` when the workdir has it, else the grid row best on the training lists."""
+  policy_path = os.path.join(wd, "traces", "policy.json")
+  if os.path.exists(policy_path):
+    with open(policy_path) as f:
+      chosen = json.load(f)["policy"]
+    name, base = policy_lib.name(chosen), lambda fs: policy_lib.choose_from([(f["next"], f["rel"]) for f in fs], chosen)
+  else:
+    name, base = max(rows[:1 + len(policy_lib.GRID_TIERS_NEXT) * len(policy_lib.GRID_REACH)],
+                     key=lambda r: score(feats["train"], tpos["train"], r[1])["recall@1"])
+  keep = [i for i, (fs, t) in enumerate(zip(feats["valid"], tpos["valid"])) if t >= 0 and len(fs) == 10]
+  vf, vt = [feats["valid"][i] for i in keep], np.asarray([tpos["valid"][i] for i in keep])
+  ref = np.asarray([base(fs) for fs in vf]) == vt
+  out = [f"\nCross-validated on validation (5 folds; fit on the training lists and the other folds; "
+         f"n = {len(vt)}), beside the policy `{name}` ({ref.mean():.4f}) on the same users:\n",
+         "| learner | valid R@1 | - policy | SE |", "|---|---|---|---|"]
+  for label, phi in (("choice model on the marks", _phi),
+                     ("choice model on the marks, SID codes and the last two brands", _phi_sid_brand)):
+    d = (cross_validated(feats["train"], tpos["train"], vf, vt, phi=phi) == vt) - ref.astype(float)
+    out.append(f"| {label} | {ref.mean() + d.mean():.4f} | {d.mean():+.4f} | {d.std() / np.sqrt(len(d)):.4f} |")
+  return "\n".join(out)
 
 
 def main(argv):
@@ -206,6 +264,7 @@ def main(argv):
           f"{va['override_rate']:.3f} | {va['override_precision']:.3f} | {va['top1_on_overrides']:.3f} |")
   print(f"(train n = {score(feats['train'], tpos['train'], lambda fs: 0)['n']}, "
         f"valid n = {score(feats['valid'], tpos['valid'], lambda fs: 0)['n']}: users whose target is listed)")
+  print(ceiling_table(feats, tpos, wd, rows))
   pools = pool_table(wd, items, sids, _MAX_HISTORY.value)
   if pools:
     print("\nThe prompt pools under the chosen policy (traces/policy.json):\n")
