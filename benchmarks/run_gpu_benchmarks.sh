@@ -26,6 +26,8 @@
 #   ar_0p6b_b1   0.6B shape, batch 1: AR and forced 4 commits/step                           ~50
 #   train_1p7b   one SFT and one OPD step at the 1.7B shape                                  ~70
 #   ar_b1_fused_xla / ar_b1_unfused_cb   the two factors of ar_b1_new alone                   ~80 each
+#   mem_8b       8B batch 1: one decode call's device memory compiled for this device, given the
+#                checkpoint's f32 tree or the host-prepared one (decode_memory.py; nothing runs) ~40
 # About 470 s reach the first train rows; the rest is a second call: the script ends by printing
 # the PARTS=... line that runs what it skipped.
 #
@@ -188,6 +190,10 @@ run ar_b1_fused_xla decode 60 130 0 "8B, batch 1, AR: fused projections, XLA's d
   "${DEC[@]}" --preset=$M8 --batch_sizes=1 --max_new_tokens=$NEW --commits= --repeats=3 "${FUSED[@]}"
 run ar_b1_unfused_cb decode 60 130 1 "8B, batch 1, AR: unfused, decode loop in CUDA graphs" \
   "${DEC[@]}" --preset=$M8 --batch_sizes=1 --max_new_tokens=$NEW --commits= --repeats=3 "${UNFUSED[@]}"
+if [ -f benchmarks/decode_memory.py ]; then
+  run mem_8b kernels 30 120 0 "device memory of one 8B decode call at batch 1 (compiled for this device, nothing allocated): the checkpoint's f32 tree handed to the decoder, or the tree prepared on the host" \
+    python3 benchmarks/decode_memory.py --shape=$B8 --batch_sizes=1 --json_out=@JSON@
+fi
 
 log "done:${DONE:- nothing}"
 if [ -n "$SKIPPED" ]; then

@@ -57,6 +57,18 @@ for t in (2, 4, 8):
           "speculative": speculative.generate(cfg, p, cfg, p, prompts, dc(4, 0.7), mesh=mesh)}
   res[f"equal_t{t}"] = {k: same(outs[k], ref[k]) for k in ref}
 
+# The tree the stages place (decode/runtime.py load_on_device: prepared on the host, fused q/k/v
+# and gate/up split over tensor by the same rules) decodes as the trained layout on one device.
+from dgr2_jax.decode import runtime
+prepared = runtime.prepare_on_host(cfg, params)
+for t in (2, 8):
+  mesh = dmesh.make_mesh(1, t)
+  p = dmesh.put_params(mesh, prepared)
+  res[f"qkv_shard_t{t}"] = p["layers_0"]["self_attn"]["qkv_proj"]["kernel"].addressable_shards[0].data.shape[1]
+  outs = {"threshold": sampler.generate(cfg, p, prompts, dc(4, 0.7), mesh=mesh),
+          "speculative": speculative.generate(cfg, p, cfg, p, prompts, dc(4, 0.7), mesh=mesh)}
+  res[f"prepared_equal_t{t}"] = {k: same(outs[k], ref[k]) for k in outs}
+
 # Data-parallel: the generate stage's batch loop on data=4 (3 rows padded to 4), recording the
 # rows each device receives.
 placed = []
@@ -178,6 +190,9 @@ def test_decode_mesh_equals_one_device():
   for t in (2, 4, 8):
     assert res[f"equal_t{t}"] == {"ar": True, "threshold": True, "speculative": True}, (t, res)
     assert res[f"q_shards_t{t}"] == [t, 64 // t]           # heads really split over tensor
+  for t in (2, 8):   # the prepared tree: fused q/k/v columns split over tensor too
+    assert res[f"prepared_equal_t{t}"] == {"threshold": True, "speculative": True}, (t, res)
+    assert res[f"qkv_shard_t{t}"] == 128 // t
     assert res[f"vocab_shard_t{t}"] == 64 // t             # embedding / LM head over the vocabulary
   # The decodes are not degenerate: rows differ and commit real tokens.
   toks = res["ref_tokens"]["threshold"]

@@ -334,3 +334,37 @@ def test_eval_decodes_in_float8_rollouts_never():
   assert runtime.decode_config(config, tids, _tiny()).weight_dtype == FP8
   dc = on_policy.rollout_decode_config(config, tids, _tiny(), 0.7)
   assert dc.weight_dtype == "" and dc.temperature == 0.7
+
+
+@pytest.mark.parametrize("weight_dtype", ["", FP8])
+def test_load_on_device_prepares_on_the_host(monkeypatch, weight_dtype):
+  """A model directory reaches the device as the decoders read it: per layer, fused, in the run's
+  compute dtype (an f32 checkpoint decoding in bf16 puts half its bytes there), kernels in the
+  weight dtype, so the decoder's own preparation returns it as it is; it decodes exactly what the
+  checkpoint's own tree decodes (prepared inside the decode call); each (directory, weight dtype)
+  is read once."""
+  from dgr2_jax.decode import runtime
+  from dgr2_jax.model import checkpoint
+  cfg = _tiny()
+  raw = jax.device_get(_params(cfg))                     # host f32 arrays, as load_model_dir gives ours
+  loads = []
+  monkeypatch.setattr(checkpoint, "load_model_dir", lambda path, *a, **k: loads.append(path) or (cfg, raw))
+  models = {}
+  mc, p = runtime.load_on_device("m", {"dtype": "bfloat16"}, models, None, weight_dtype)
+  assert mc.jnp_dtype == jnp.bfloat16
+  a = p["layers_1"]["self_attn"]
+  assert "qkv_proj" in a and "q_proj" not in a and "gate_up_proj" in p["layers_1"]["mlp"]
+  assert a["qkv_proj"]["kernel"].dtype == (jnp.float8_e4m3fn if weight_dtype else jnp.bfloat16)
+  assert p["norm"]["scale"].dtype == jnp.bfloat16 and isinstance(a["o_proj"]["kernel"], jax.Array)
+  bytes_ = lambda t: sum(x.nbytes for x in jax.tree_util.tree_leaves(t))
+  assert bytes_(p) <= bytes_(raw) / 2 + 1024
+  assert qwen3.decode_params(mc, p, weight_dtype) is p      # nothing left for a decode call to prepare
+  dc = sampler.decode_config_for(mc, block_size=4, threshold=0.7, max_new_tokens=8, eos_ids=(5,),
+                                 weight_dtype=weight_dtype)
+  want, got = sampler.generate(mc, raw, PROMPTS, dc), sampler.generate(mc, p, PROMPTS, dc)
+  for k in ("tokens", "commit_step", "nfe"):
+    np.testing.assert_array_equal(got[k], want[k])
+  np.testing.assert_array_equal(got["logprob"], want["logprob"])
+  assert runtime.load_on_device("m", {"dtype": "bfloat16"}, models, None, weight_dtype)[1] is p
+  runtime.load_on_device("m", {"dtype": "bfloat16"}, models, None, "" if weight_dtype else FP8)
+  assert loads == ["m", "m"]

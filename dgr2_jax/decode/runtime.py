@@ -25,34 +25,66 @@ def decode_config(config, tids, model_config=None) -> DecodeConfig:
   return decode_config_from(dec, **ids)
 
 
-def load_on_device(path: str, model_section=None, models: dict | None = None, mesh=None):
-  """(config with the run's runtime fields, params on the device) of a model directory.
+def weight_dtype(config) -> str:
+  """`config.decode.weight_dtype` ('' = the compute dtype): how `load_on_device` prepares a model."""
+  return str(config.get("decode", {}).get("weight_dtype", "") or "")
 
-  `mesh` (decode/mesh.py `from_config`; None = the default device): the params are placed in the
-  decode mesh's shardings slice by slice from the host copy (heads, MLP and vocabulary split over
-  its tensor axis, replicated over data), never as a whole copy on each device first. This is the
-  one place where a model meets its mesh. `models`, a dict the caller keeps across calls of one
-  config (bench: all its rows), holds each directory loaded once: bench keeps every row's decode
-  calls until it times them side by side, and a copy per row would not fit at Qwen3-8B."""
-  if models is not None and path in models:
-    return models[path]
+
+def prepare_on_host(model_config, params, weight_dtype: str = ""):
+  """`qwen3.decode_params` of `params` computed on the host (the CPU backend) -> host numpy arrays:
+  per layer, in `model_config`'s compute dtype, q/k/v and gate/up fused, kernels in `weight_dtype`.
+
+  Placed after this, a device holds only what the decoder reads: one copy in the compute dtype (a
+  quarter of an f32 checkpoint's bytes with float8 kernels, half at bf16), and a decode call finds
+  the tree prepared (`decode_params` is idempotent) instead of building a fused, cast copy inside
+  its program beside the checkpoint's. Done on the host, so the fused columns are placed by the
+  mesh's rules like any other parameter, slice by slice."""
+  import jax
+  import numpy as np
+  from dgr2_jax.model import qwen3
+  with jax.default_device(jax.local_devices(backend="cpu")[0]):
+    out = qwen3.decode_params(model_config, params, weight_dtype)
+  return jax.tree_util.tree_map(np.asarray, out)
+
+
+def load_on_device(path: str, model_section=None, models: dict | None = None, mesh=None, weight_dtype: str = ""):
+  """(config with the run's runtime fields, params on the device as the decoders read them) of a
+  model directory.
+
+  The params are prepared on the host (`prepare_on_host`: the compute dtype, projections fused,
+  kernels in `weight_dtype`, `config.decode.weight_dtype`) before they reach a device, so an f32
+  checkpoint decoding in bf16 puts half its bytes there and no decode call prepares a copy of its
+  own. `mesh` (decode/mesh.py `from_config`; None = the default device): the params are placed in
+  the decode mesh's shardings slice by slice from the host copy (heads, MLP and vocabulary split
+  over its tensor axis, replicated over data), never as a whole copy on each device first. This is
+  the one place where a model meets its mesh. `models`, a dict the caller keeps across calls of
+  one config (bench: all its rows), holds each (directory, weight dtype) loaded once: bench keeps
+  every row's decode calls until it times them side by side, and a copy per row would not fit at
+  Qwen3-8B."""
+  key = (path, weight_dtype)
+  if models is not None and key in models:
+    return models[key]
   import jax
   from dgr2_jax.decode import mesh as dmesh
   from dgr2_jax.model.checkpoint import load_model_dir
   cfg, params = load_model_dir(path)
+  cfg = cfg.with_runtime(model_section)
+  params = prepare_on_host(cfg, params, weight_dtype)
   # once, not with every decode call
   params = dmesh.put_params(mesh, params) if mesh is not None else jax.device_put(params)
-  out = cfg.with_runtime(model_section), params
+  out = cfg, params
   if models is not None:
-    models[path] = out
+    models[key] = out
   return out
 
 
-def speculative_generate(verifier_path: str, model_section=None, models: dict | None = None, mesh=None):
+def speculative_generate(verifier_path: str, model_section=None, models: dict | None = None, mesh=None,
+                         weight_dtype: str = ""):
   """A `generate_fn` (sampler.generate's signature) decoding speculatively with the verifier, on
-  `mesh` when given (the drafter's params placed on it too: `load_on_device(..., mesh)`)."""
+  `mesh` when given (the drafter's params placed on it too: `load_on_device(..., mesh)`), the
+  verifier prepared for `weight_dtype` (the decode config's, as the drafter)."""
   from dgr2_jax.decode import speculative
-  vcfg, vparams = load_on_device(verifier_path, model_section, models, mesh)
+  vcfg, vparams = load_on_device(verifier_path, model_section, models, mesh, weight_dtype)
 
   def fn(model_config, params, prompts, dcfg, rng=None, max_prompt_len=None, return_device=False):
     return speculative.generate(model_config, params, vcfg, vparams, prompts, dcfg, rng, max_prompt_len,

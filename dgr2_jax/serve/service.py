@@ -24,7 +24,6 @@ import time
 
 from dgr2_jax import chain
 from dgr2_jax.decode import prefix, runtime
-from dgr2_jax.model import qwen3
 from dgr2_jax.serve import engine as engine_lib
 from dgr2_jax.serve import slots as slots_lib
 from dgr2_jax.task import answer as answer_lib
@@ -101,12 +100,11 @@ class Service:
     self.next_table = (copurchase.table(api.load_sequences(workdir), 1)
                        if self.task.get("mark_copurchase", False) else None)
     self.prompt_slots = int(self.task.prompt_len)
-    mc, params = runtime.load_on_device(self.model_dir, config.get("model"))
+    # Prepared for decoding on the host (per layer, projections fused, kernels in decode.weight_dtype):
+    # the decoders' own qwen3.decode_params then does nothing, and the device holds one copy.
+    mc, params = runtime.load_on_device(self.model_dir, config.get("model"), weight_dtype=runtime.weight_dtype(config))
     self.model_config = mc
     self.dc = runtime.decode_config(config, self.tids, mc)
-    # Prepared for decoding once (per layer, projections fused, kernels in decode.weight_dtype): the
-    # decoders' own qwen3.decode_params then does nothing, and no second copy of the weights is kept.
-    params = qwen3.decode_params(mc, params, self.dc.weight_dtype)
     self.max_new_tokens = self.dc.max_new_tokens
     o = options
     engines = {}
@@ -115,8 +113,8 @@ class Service:
       engines["threshold"] = engine_lib.Engine("threshold", dec, o.steps_per_round, o.policy, o.max_queue,
                                                  o.early_exit)
     if self.verifier_dir and ("ar" in o.modes or "speculative" in o.modes):
-      vc, vparams = runtime.load_on_device(self.verifier_dir, config.get("model"))
-      vparams = qwen3.decode_params(vc, vparams, self.dc.weight_dtype)
+      vc, vparams = runtime.load_on_device(self.verifier_dir, config.get("model"),
+                                           weight_dtype=self.dc.weight_dtype)
       if "ar" in o.modes:
         # The AR models decode left to right, as the eval ladder decodes them.
         c_ar = config.copy_and_resolve_references()

@@ -182,7 +182,9 @@ def run(config, workdir: str | None = None) -> str:
   if checkpoint.has_tokenizer(config.model_dir):
     tokenizer = tok_lib.load_tokenizer(config.model_dir)
   prompts = read_prompts(config.input, tokenizer, bool(config.get("enable_thinking", True)))
-  model_config, params = checkpoint.load_model_dir(config.model_dir)
+  wd = runtime.weight_dtype(config)
+  # on the devices as the decoder reads them (runtime.load_on_device: prepared on the host, placed once)
+  model_config, params = runtime.load_on_device(config.model_dir, None, None, mesh, wd)
   for n, p in enumerate(prompts, 1):
     bad = [t for t in p if t >= model_config.vocab_size]
     if bad:
@@ -197,9 +199,9 @@ def run(config, workdir: str | None = None) -> str:
       raise ValueError("config.decode.verifier_dir is required with decode.mode='speculative' (the AR model "
                        "that verifies the drafts of config.model_dir)")
     models = {}   # the verifier is read once, for the pair check and for decoding
-    vcfg = runtime.load_on_device(d.verifier_dir, None, models, mesh)[0]
+    vcfg = runtime.load_on_device(d.verifier_dir, None, models, mesh, wd)[0]
     speculative.check_pair(model_config, vcfg, dcfg.mask_token_id)
-    generate_fn = runtime.speculative_generate(d.verifier_dir, None, models, mesh)
+    generate_fn = runtime.speculative_generate(d.verifier_dir, None, models, mesh, wd)
   recs = generate_all(model_config, params, prompts, dcfg, int(config.batch_size), slots,
                       int(config.get("seed", 0)), generate_fn=generate_fn, mesh=mesh)
   for r in recs:
