@@ -368,3 +368,21 @@ def test_load_on_device_prepares_on_the_host(monkeypatch, weight_dtype):
   assert runtime.load_on_device("m", {"dtype": "bfloat16"}, models, None, weight_dtype)[1] is p
   runtime.load_on_device("m", {"dtype": "bfloat16"}, models, None, "" if weight_dtype else FP8)
   assert loads == ["m", "m"]
+
+
+def test_prepare_on_host_without_a_cpu_backend(monkeypatch):
+  """With JAX_PLATFORMS naming no cpu, the tree is prepared on the default device and fetched: the
+  same host arrays."""
+  from dgr2_jax.decode import runtime
+  cfg = _tiny()
+  raw = jax.device_get(_params(cfg))
+  want = runtime.prepare_on_host(cfg, raw, FP8)
+
+  def no_cpu(*a, backend=None, **k):
+    raise RuntimeError(f"Unknown backend: {backend!r} requested")
+  monkeypatch.setattr(jax, "local_devices", no_cpu)
+  got = runtime.prepare_on_host(cfg, raw, FP8)
+  assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    assert isinstance(a, np.ndarray) and a.dtype == b.dtype
+    np.testing.assert_array_equal(a.astype(np.float32), b.astype(np.float32))

@@ -39,10 +39,16 @@ def prepare_on_host(model_config, params, weight_dtype: str = ""):
   the tree prepared (`decode_params` is idempotent) instead of building a fused, cast copy inside
   its program beside the checkpoint's. Done on the host, so the fused columns are placed by the
   mesh's rules like any other parameter, slice by slice."""
+  import contextlib
+
   import jax
   import numpy as np
   from dgr2_jax.model import qwen3
-  with jax.default_device(jax.local_devices(backend="cpu")[0]):
+  try:
+    host = jax.default_device(jax.local_devices(backend="cpu")[0])
+  except RuntimeError:   # JAX_PLATFORMS without cpu: prepared on the default device, then fetched
+    host = contextlib.nullcontext()
+  with host:
     out = qwen3.decode_params(model_config, params, weight_dtype)
   return jax.tree_util.tree_map(np.asarray, out)
 
