@@ -348,7 +348,11 @@ def test_load_on_device_prepares_on_the_host(monkeypatch, weight_dtype):
   cfg = _tiny()
   raw = jax.device_get(_params(cfg))                     # host f32 arrays, as load_model_dir gives ours
   loads = []
-  monkeypatch.setattr(checkpoint, "load_model_dir", lambda path, *a, **k: loads.append(path) or (cfg, raw))
+
+  def load(path, dtype=None):   # load_model_dir: each tensor cast as it is read
+    loads.append((path, dtype))
+    return cfg, jax.tree_util.tree_map(lambda x: x if dtype is None else x.astype(dtype), raw)
+  monkeypatch.setattr(checkpoint, "load_model_dir", load)
   models = {}
   mc, p = runtime.load_on_device("m", {"dtype": "bfloat16"}, models, None, weight_dtype)
   assert mc.jnp_dtype == jnp.bfloat16
@@ -367,7 +371,9 @@ def test_load_on_device_prepares_on_the_host(monkeypatch, weight_dtype):
   np.testing.assert_array_equal(got["logprob"], want["logprob"])
   assert runtime.load_on_device("m", {"dtype": "bfloat16"}, models, None, weight_dtype)[1] is p
   runtime.load_on_device("m", {"dtype": "bfloat16"}, models, None, "" if weight_dtype else FP8)
-  assert loads == ["m", "m"]
+  assert loads == [("m", "bfloat16"), ("m", "bfloat16")]   # read in the compute dtype, never the f32 tree
+  runtime.load_on_device("m", None, models, None, weight_dtype)
+  assert loads[-1] == ("m", None)                            # the checkpoint's own dtype ('auto')
 
 
 def test_prepare_on_host_without_a_cpu_backend(monkeypatch):
@@ -386,3 +392,19 @@ def test_prepare_on_host_without_a_cpu_backend(monkeypatch):
   for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
     assert isinstance(a, np.ndarray) and a.dtype == b.dtype
     np.testing.assert_array_equal(a.astype(np.float32), b.astype(np.float32))
+
+
+def test_load_on_device_reads_a_checkpoint_in_the_compute_dtype(tmp_path):
+  """A saved f32 model directory read in bf16 and prepared gives the tree that preparing its f32
+  params gives: the cast on read rounds as decode_params' cast does."""
+  from dgr2_jax.decode import runtime
+  from dgr2_jax.model import checkpoint
+  cfg = _tiny()
+  raw = jax.device_get(_params(cfg))
+  checkpoint.save_model_dir(str(tmp_path / "m"), cfg, raw)
+  mc, p = runtime.load_on_device(str(tmp_path / "m"), {"dtype": "bfloat16"}, None, None, FP8)
+  want = runtime.prepare_on_host(cfg.replace(dtype="bfloat16"), raw, FP8)
+  assert jax.tree_util.tree_structure(p) == jax.tree_util.tree_structure(want)
+  for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(want)):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a).astype(np.float32), b.astype(np.float32))

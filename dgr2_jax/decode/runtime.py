@@ -57,23 +57,27 @@ def load_on_device(path: str, model_section=None, models: dict | None = None, me
   """(config with the run's runtime fields, params on the device as the decoders read them) of a
   model directory.
 
-  The params are prepared on the host (`prepare_on_host`: the compute dtype, projections fused,
-  kernels in `weight_dtype`, `config.decode.weight_dtype`) before they reach a device, so an f32
-  checkpoint decoding in bf16 puts half its bytes there and no decode call prepares a copy of its
-  own. `mesh` (decode/mesh.py `from_config`; None = the default device): the params are placed in
-  the decode mesh's shardings slice by slice from the host copy (heads, MLP and vocabulary split
-  over its tensor axis, replicated over data), never as a whole copy on each device first. This is
-  the one place where a model meets its mesh. `models`, a dict the caller keeps across calls of
-  one config (bench: all its rows), holds each (directory, weight dtype) loaded once: bench keeps
-  every row's decode calls until it times them side by side, and a copy per row would not fit at
-  Qwen3-8B."""
-  key = (path, weight_dtype)
+  The checkpoint is read in the run's compute dtype (`model.dtype`; 'auto': its own) and prepared
+  on the host (`prepare_on_host`: projections fused, kernels in `weight_dtype`, the run's
+  `decode.weight_dtype`) before it reaches a device: an f32 checkpoint decoding in bf16 puts half
+  its bytes there, no decode call prepares a copy of its own, and the host holds the bf16 tree and
+  its fused copies, never the f32 tree beside them. `mesh` (decode/mesh.py `from_config`; None =
+  the default device): the params are placed in the decode mesh's shardings slice by slice from
+  the host copy (heads, MLP and vocabulary split over its tensor axis, replicated over data), never
+  as a whole copy on each device first. This is the one place where a model meets its mesh.
+  `models`, a dict the caller keeps across calls of one config (bench: all its rows), holds each
+  (directory, compute dtype, weight dtype) loaded once: bench keeps every row's decode calls until
+  it times them side by side, and a copy per row would not fit at Qwen3-8B."""
+  compute = str(model_section.get("dtype", "auto")) if model_section is not None else "auto"
+  key = (path, compute, weight_dtype)
   if models is not None and key in models:
     return models[key]
   import jax
   from dgr2_jax.decode import mesh as dmesh
   from dgr2_jax.model.checkpoint import load_model_dir
-  cfg, params = load_model_dir(path)
+  # Read in the compute dtype when the run names one (each tensor cast as it is read, as
+  # decode_params would cast it): the host never holds the f32 tree beside the prepared one.
+  cfg, params = load_model_dir(path, dtype=None if compute == "auto" else compute)
   cfg = cfg.with_runtime(model_section)
   params = prepare_on_host(cfg, params, weight_dtype)
   # once, not with every decode call
