@@ -461,3 +461,32 @@ def test_serve_replay_matches_modes_to_ladder_rows(tmp_path):
   from dgr2_jax.serve import client
   assert client.eval_threshold(str(tmp_path)) == 1.0
   assert client.eval_decode(str(tmp_path))["steps_per_block"] == 0
+
+
+def test_warmup_compiles_the_prefill_without_the_shared_prefix(smoke_workdir):
+  """With a shared prefix, warm-up prefills one prompt that shares it and one that does not, so
+  a later /v1/generate prompt without the prefix compiles nothing; re-rank prompts reuse it."""
+  import importlib.util
+  import os
+  from dgr2_jax.serve import service as service_lib
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location("demo_config", os.path.join(repo, "configs", "demo.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  config = mod.get_config("smoke")
+  config.decode.shared_prefix = 1000   # the probes' whole common prefix (the smoke prompt's: a few tokens)
+  svc = service_lib.Service(config, smoke_workdir, options=service_lib.ServeOptions(slots=1, modes=("threshold",)))
+  dec = svc.engines["threshold"].decoder
+  assert svc.shared_prefix > 0 and len(dec.prefix_tokens) == svc.shared_prefix
+  svc.scheduler.start()
+  try:
+    svc.warmup()
+    assert dec.prefill_stats["requests"] == 2 and dec.prefill_stats["reused"] == 1
+    compiled = dec._prefill._cache_size()
+    assert compiled == 2                                        # with the prefix's K/V and without
+    req, mode = svc.generate_request(dict(prompt_ids=[3, 4, 5], max_new_tokens=4))
+    svc.scheduler.submit(mode, req)
+    req.future.result()
+    assert dec.prefill_stats["reused"] == 1 and dec._prefill._cache_size() == compiled
+  finally:
+    svc.scheduler.stop()

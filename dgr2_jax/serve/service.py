@@ -275,11 +275,19 @@ class Service:
                 nfe=res["nfe"], latency_ms=round(res["latency_ms"], 3))
 
   def warmup(self):
-    """One request per mode through the engines (compiles prefill and step) before /readyz."""
+    """One request per mode through the engines (compiles prefill and step) before /readyz. With a
+    shared prefix, the slot engines also prefill one prompt without it (a /v1/generate prompt of
+    its own), so no first request of that kind waits for a compile."""
     ex = dict(history=[0], candidates=list(range(self.num_candidates)))
+    t = self.options.max_timeout_s
     for mode in self.modes:
-      _, req, _ = self.rerank_request(dict(ex, mode=mode, timeout_s=self.options.max_timeout_s))
-      self.scheduler.submit(mode, req)
-      req.future.result()
+      made = [lambda: self.rerank_request(dict(ex, mode=mode, timeout_s=t))[1]]
+      if self.shared_prefix and hasattr(self.engines[mode], "decoder"):   # shorter than the prefix: no reuse
+        opts = self.decode_options(dict(mode=mode, max_new_tokens=1, timeout_s=t))
+        made.append(lambda: self._request([self.tids.pad_id], opts))
+      for make in made:   # one at a time, each request's deadline from its own start
+        req = make()
+        self.scheduler.submit(mode, req)
+        req.future.result()
     for eng in self.engines.values():   # the counters start after the compiles
       eng.stats = engine_lib.Stats()
