@@ -44,6 +44,7 @@ _WEIGHT_DTYPES = flags.DEFINE_list("weight_dtypes", ["bf16", "float8_e4m3fn"], "
 _PROMPT = flags.DEFINE_integer("prompt_len", 2200, "prompt tokens")
 _NEW = flags.DEFINE_integer("max_new_tokens", 128, "response slots")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "the compute dtype")
+_ATTENTION = flags.DEFINE_string("attention", "auto", "model.attention_impl ('auto': the route a run takes here)")
 _JSON = flags.DEFINE_string("json_out", "", "also write the rows as JSON here")
 GIB = 2 ** 30
 
@@ -52,7 +53,8 @@ def memory(program: str, layers: int, batch: int, tree: str) -> tuple[int, int]:
   """(argument bytes, temporary bytes) of the compiled decoder at `layers` layers. `tree`:
   'checkpoint' (f32, HF layout) or a weight dtype of the prepared tree ('bf16': the compute dtype's,
   'float8_e4m3fn')."""
-  cfg = decode_bytes.model_config(_SHAPE.value, layers).replace(param_dtype=_DTYPE.value)   # compute: 'auto'
+  cfg = decode_bytes.model_config(_SHAPE.value, layers).replace(param_dtype=_DTYPE.value,   # compute: 'auto'
+                                                                attention_impl=_ATTENTION.value)
 
   wd = "" if tree in ("checkpoint", "bf16") else tree
   fn, args, _ = decode_bytes.decoder_program(program, cfg, batch, _PROMPT.value, _NEW.value, 32, wd)
@@ -68,14 +70,15 @@ def row(program: str, batch: int, tree: str) -> dict:
   lo, hi = memory(program, 2, batch, tree), memory(program, 3, batch, tree)
   args, temp = (hi[i] + (full - 3) * (hi[i] - lo[i]) for i in (0, 1))
   return {"shape": _SHAPE.value, "program": program, "batch": batch, "params": tree, "dtype": _DTYPE.value,
+          "attention": _ATTENTION.value,
           "arguments_gib": args / GIB, "temporaries_gib": temp / GIB, "total_gib": (args + temp) / GIB}
 
 
 def main(argv):
   del argv
   rows = []
-  print(f"{_SHAPE.value}, compute {_DTYPE.value}, prompt {_PROMPT.value} + {_NEW.value} slots, "
-        f"{jax.default_backend()} compile, per device (parameters replicated)\n")
+  print(f"{_SHAPE.value}, compute {_DTYPE.value}, attention {_ATTENTION.value}, prompt {_PROMPT.value} + "
+        f"{_NEW.value} slots, {jax.default_backend()} compile, per device (parameters replicated)\n")
   print("| decoder | batch | params handed to the decoder | arguments GiB | temporaries GiB | total GiB |")
   print("|---|---|---|---|---|---|")
   for program in _PROGRAMS.value:
