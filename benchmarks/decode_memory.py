@@ -8,8 +8,8 @@ For each decoder and batch size the decoder is compiled twice for this machine's
 the checkpoint's own tree (the HF layout in f32, the training stages' master weights, which the
 decoder casts to the compute dtype `--dtype` and fuses inside its program) and given the tree
 `decode.runtime.load_on_device` places (`prepare_on_host`: per layer, q/k/v and gate/up fused,
-in the compute dtype, or float8 kernels with `--weight_dtypes`). XLA's memory analysis gives the call's arguments
-(parameters, prompts) and its temporaries (the KV cache, the window, logits chunks, and any
+in the compute dtype, or float8 kernels with `--weight_dtypes`). XLA's memory analysis gives the
+call's arguments (parameters, prompts) and its temporaries (the KV cache, the window, logits chunks, and any
 prepared copy of the parameters the program builds); both are per device with the parameters
 replicated (the default decode mesh: data-parallel). Counted at 2 and 3 layers and extrapolated
 exactly to the full depth, as `decode_bytes.py` does. Speculative decoding holds two models.
@@ -55,7 +55,6 @@ def memory(program: str, layers: int, batch: int, tree: str) -> tuple[int, int]:
   'float8_e4m3fn')."""
   cfg = decode_bytes.model_config(_SHAPE.value, layers).replace(param_dtype=_DTYPE.value,   # compute: 'auto'
                                                                 attention_impl=_ATTENTION.value)
-
   wd = "" if tree in ("checkpoint", "bf16") else tree
   fn, args, _ = decode_bytes.decoder_program(program, cfg, batch, _PROMPT.value, _NEW.value, 32, wd)
   if tree == "checkpoint":

@@ -106,11 +106,16 @@ def table(feats, tpos) -> np.ndarray:
   return (hit + hit.sum() / cnt.sum()) / (cnt + 1.0)
 
 
+def _bucket(k: int) -> int:
+  """The position bucket the choice models cross their features with: #1, #2-3, #4-6, #7-10."""
+  return 0 if k == 0 else 1 if k < 3 else 2 if k < 6 else 3
+
+
 def _phi(k: int, f: dict) -> np.ndarray:
   """One candidate's features: position, next-purchase tier and relation (one-hot each), and the
   tier and the relation crossed with a position bucket (#1, #2-3, #4-6, #7-10)."""
   tiers, rels = [None] + list(copurchase.TIERS), list(rationale.RELATIONS)
-  b = 0 if k == 0 else 1 if k < 3 else 2 if k < 6 else 3
+  b = _bucket(k)
   v = np.zeros(10 + len(tiers) + len(rels) + 4 * (len(tiers) + len(rels)))
   t, r = tiers.index(f["next"]), rels.index(f["rel"])
   v[k] = v[10 + t] = v[10 + len(tiers) + r] = 1.0
@@ -123,7 +128,7 @@ def _phi_sid_brand(k: int, f: dict) -> np.ndarray:
   """`_phi` plus what else the prompt shows about a candidate: its SID's first code and first two
   codes shared with the last purchase, and its brand among the last two purchases' (each alone
   and crossed with the position bucket)."""
-  b = 0 if k == 0 else 1 if k < 3 else 2 if k < 6 else 3
+  b = _bucket(k)
   extra = np.zeros(3 * 5)
   for j, key in enumerate(("code1", "code2", "brand_last2")):
     if f[key]:

@@ -102,7 +102,8 @@ class Service:
     self.prompt_slots = int(self.task.prompt_len)
     # Prepared for decoding on the host (per layer, projections fused, kernels in decode.weight_dtype):
     # the decoders' own qwen3.decode_params then does nothing, and the device holds one copy.
-    mc, params = runtime.load_on_device(self.model_dir, config.get("model"), weight_dtype=runtime.weight_dtype(config))
+    wd = runtime.weight_dtype(config)   # both models prepared alike
+    mc, params = runtime.load_on_device(self.model_dir, config.get("model"), weight_dtype=wd)
     self.model_config = mc
     self.dc = runtime.decode_config(config, self.tids, mc)
     self.max_new_tokens = self.dc.max_new_tokens
@@ -113,8 +114,7 @@ class Service:
       engines["threshold"] = engine_lib.Engine("threshold", dec, o.steps_per_round, o.policy, o.max_queue,
                                                  o.early_exit)
     if self.verifier_dir and ("ar" in o.modes or "speculative" in o.modes):
-      vc, vparams = runtime.load_on_device(self.verifier_dir, config.get("model"),
-                                           weight_dtype=self.dc.weight_dtype)
+      vc, vparams = runtime.load_on_device(self.verifier_dir, config.get("model"), weight_dtype=wd)
       if "ar" in o.modes:
         # The AR models decode left to right, as the eval ladder decodes them.
         c_ar = config.copy_and_resolve_references()

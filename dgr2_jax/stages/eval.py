@@ -130,14 +130,13 @@ def _build(config, workdir: str, build: contract.Build, generate_fn=None, models
              for ex in examples]
   model_config = params = None
   mesh = dmesh.from_config(config)   # rows over data, the model over tensor (None: one device)
+  wd = runtime.weight_dtype(config)   # every model of this eval prepared alike (load_on_device)
   if ec.model_dir:
-    model_config, params = runtime.load_on_device(ec.model_dir, config.get("model"), models, mesh,
-                                                  runtime.weight_dtype(config))
+    model_config, params = runtime.load_on_device(ec.model_dir, config.get("model"), models, mesh, wd)
   record = generate_fn is None and not verifier   # the schedule of this stage's own threshold decoder
   if generate_fn is None:
     if verifier:
-      generate_fn = runtime.speculative_generate(verifier, config.get("model"), models, mesh,
-                                                 runtime.weight_dtype(config))
+      generate_fn = runtime.speculative_generate(verifier, config.get("model"), models, mesh, wd)
     else:
       generate_fn = runtime.threshold_generate(mesh)
   dcfg = runtime.decode_config(config, tids, model_config)
