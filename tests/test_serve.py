@@ -1,5 +1,6 @@
 """The serving engine against the batch decoders, and the HTTP server as a subprocess."""
 
+import collections
 import concurrent.futures
 import contextlib
 import itertools
@@ -253,7 +254,7 @@ def _stub_service():
   sched = types.SimpleNamespace(start=lambda: None, drain=lambda timeout: None, error=None)
   opts = types.SimpleNamespace(slots=1, steps_per_round=1, policy="continuous")
   return types.SimpleNamespace(scheduler=sched, warmup=lambda: None, modes=("threshold",), options=opts,
-                               model_dir="m", verifier_dir="v", num_candidates=10, max_new_tokens=8)
+                               model_dir="m", verifier_dir="v", num_candidates=10, max_new_tokens=8, engines={})
 
 
 @contextlib.contextmanager
@@ -311,6 +312,100 @@ def test_oversize_bodies_all_get_413():
     assert all(json.loads(answer)["error"].startswith("body:") for _, answer in out)
     status, answer = _post_slowly(port, b"{bad")
     assert status == 400 and json.loads(answer)["error"].startswith("body:")
+
+
+def _urllib_post(url: str, body) -> int | str:
+  """POST with urllib (it sends `Connection: close` and the whole body before it reads; an iterable
+  body goes chunked) -> the status, or the name of the error that lost it."""
+  import urllib.error
+  import urllib.request
+  req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+  try:
+    with urllib.request.urlopen(req, timeout=120) as r:
+      return r.status
+  except urllib.error.HTTPError as e:
+    e.read()
+    return e.code
+  except urllib.error.URLError as e:
+    return type(e.reason).__name__
+  except OSError as e:
+    return type(e).__name__
+
+
+def test_oversize_bodies_413_for_urllib_and_httpx():
+  """2 MB bodies over the default --max_body_bytes, from urllib (a new connection each, closed after
+  the answer) and from one httpx client (kept-alive connections), 100 in a row and 100 from 16
+  threads, plus chunked ones: each client reads its 413 (none a broken pipe or reset), and a
+  kept-alive connection still serves the next request."""
+  pytest.importorskip("starlette")
+  httpx = pytest.importorskip("httpx")
+  from dgr2_jax.serve import app as app_lib
+  body = b"x" * 2_000_000
+
+  def chunks():
+    for i in range(0, len(body), 1 << 16):
+      yield body[i:i + (1 << 16)]
+
+  with _app_on_socket(app_lib.build_app(_stub_service)) as port, httpx.Client(timeout=120) as http:
+    url = f"http://127.0.0.1:{port}/v1/rerank"
+
+    def httpx_post(content) -> int | str:
+      try:
+        return http.post(url, content=content).status_code
+      except httpx.TransportError as e:
+        return type(e).__name__
+
+    sends = {"urllib": lambda: _urllib_post(url, body), "httpx": lambda: httpx_post(body),
+             "urllib chunked": lambda: _urllib_post(url, chunks()), "httpx chunked": lambda: httpx_post(chunks())}
+    got = {}
+    for name, send in sends.items():
+      n = 100 if "chunked" not in name else 20
+      got[name, "sequential"] = [send() for _ in range(n)]
+      with concurrent.futures.ThreadPoolExecutor(16) as ex:
+        got[name, "16 threads"] = list(ex.map(lambda _, send=send: send(), range(n)))
+    lost = {f"{client}, {how}": collections.Counter(s for s in v if s != 413) for (client, how), v in got.items()}
+    assert not any(lost.values()), {k: dict(v) for k, v in lost.items() if v}
+    assert http.post(url, content=b"{bad").status_code == 400
+
+
+def _exchange(port: int, request: bytes) -> tuple[int, bytes, bytes]:
+  """Sends `request` bytes as they are, then reads to the server's close -> (status, head, body)."""
+  with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+    s.sendall(request)
+    data = b""
+    while chunk := s.recv(1 << 16):
+      data += chunk
+  head, _, answer = data.partition(b"\r\n\r\n")
+  return int(head.split(b" ", 2)[1]), head.lower(), answer
+
+
+def test_oversize_bodies_past_the_drain_bound():
+  """A Content-Length past the drain bound, or one over the limit from a client waiting for
+  `100 Continue`, gets its 413 before any body is sent, with `Connection: close`; a chunked body gets
+  it once read past the bound. A client gone mid-body counts as client_gone (not a server error),
+  and the server answers afterwards."""
+  pytest.importorskip("starlette")
+  import json
+  from dgr2_jax.serve import app as app_lib
+  from dgr2_jax.serve import client
+  head = b"POST /v1/rerank HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+  with _app_on_socket(app_lib.build_app(_stub_service, max_body_bytes=1024, drain_body_bytes=1 << 16)) as port:
+    for extra in (b"Content-Length: 4194304\r\n", b"Content-Length: 2048\r\nExpect: 100-continue\r\n"):
+      status, got, answer = _exchange(port, head + extra + b"\r\n")
+      assert status == 413 and b"connection: close" in got and b"100 continue" not in got, got
+      assert json.loads(answer)["error"].startswith("body:")
+    status, got, answer = _exchange(port, head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % ((1 << 16) + 1)
+                                    + b"x" * ((1 << 16) + 1))
+    assert status == 413 and b"connection: close" in got and json.loads(answer)["error"].startswith("body:")
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+      s.sendall(head + b"Content-Length: 1000\r\n\r\n{\"history\"")
+      time.sleep(0.2)
+    status, _, answer = _exchange(port, head + b"Content-Length: 4\r\nConnection: close\r\n\r\n{bad")
+    assert status == 400 and json.loads(answer)["error"].startswith("body:")
+    metrics = _exchange(port, b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")[2]
+    rejected = {r: client.metric_value(metrics.decode(), "dgr2_rejected_requests_total", reason=r)
+                for r in ("too_large", "client_gone", "bad_json", "internal")}
+    assert rejected == {"too_large": 3, "client_gone": 1, "bad_json": 1, "internal": 0}, rejected
 
 
 def test_app_starts_without_deprecation_warning():

@@ -26,6 +26,7 @@ import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -35,17 +36,25 @@ from dgr2_jax.serve import metrics as metrics_lib
 from dgr2_jax.serve.service import BadRequest
 
 MAX_BODY_BYTES = 1 << 16
-# An oversize body is still read (and thrown away) up to this many bytes past the limit before the
-# 413 goes out: a server that answers and closes while the client is still sending resets the
-# connection, and the client sees a broken pipe instead of its 413. Beyond this the 413 goes out
-# at once (bounded work per request).
-DRAIN_BYTES = 1 << 20
+# A body over the limit is still read to its end (and thrown away) before its 413 goes out, up to
+# this many bytes in all. Clients such as urllib, requests and httpx send the whole body before they
+# read the answer; a server that answers and closes while body bytes are still arriving makes the
+# kernel reset the connection, and the client sees a broken pipe or a reset instead of its 413.
+# (uvicorn itself discards the rest of a body after the answer, but only on a kept-alive
+# connection: urllib asks for `Connection: close`.) A longer body, by its Content-Length or once
+# read this far, gets its 413 at once with `Connection: close`, so that the work a request costs
+# stays bounded; its client may see the reset.
+DRAIN_BODY_BYTES = 16 << 20
 
 PID = {"x-dgr2-pid": str(os.getpid())}
 
 
 class TooLarge(Exception):
-  pass
+  """A body over the limit; `close`: the connection is closed with the answer (its rest is unread)."""
+
+  def __init__(self, limit: int, close: bool):
+    super().__init__(f"body: larger than {limit} bytes")
+    self.close = close
 
 
 def _error(status: int, msg: str, headers=None) -> JSONResponse:
@@ -53,27 +62,28 @@ def _error(status: int, msg: str, headers=None) -> JSONResponse:
                       headers={**PID, **(headers or {})})
 
 
-async def _read_body(request: HttpRequest, limit: int) -> bytes:
-  """The body; TooLarge when it is over `limit` bytes, after reading it to its end (discarded)
-  unless that is more than DRAIN_BYTES past the limit."""
-  n = request.headers.get("content-length")
-  too_large = TooLarge(f"body: larger than {limit} bytes")
-  if n is not None and (not n.isdigit() or int(n) > limit + DRAIN_BYTES):
-    raise too_large
+async def _read_body(request: HttpRequest, limit: int, drain: int) -> bytes:
+  """The body; TooLarge when it is over `limit` bytes, after reading it to its end (discarded) when
+  it is at most `drain` bytes. A client that waits for `100 Continue` before sending a body whose
+  Content-Length is over the limit gets the 413 instead, and sends nothing."""
+  n = request.headers.get("content-length", "")
+  waits = request.headers.get("expect", "").lower() == "100-continue"
+  if n.isdigit() and int(n) > limit and (int(n) > drain or waits):
+    raise TooLarge(limit, close=True)
   chunks, size = [], 0
   async for chunk in request.stream():
     size += len(chunk)
-    if size > limit + DRAIN_BYTES:
-      break
+    if size > drain:
+      raise TooLarge(limit, close=True)
     if size <= limit:
       chunks.append(chunk)
   if size > limit:
-    raise too_large
+    raise TooLarge(limit, close=False)
   return b"".join(chunks)
 
 
-async def _read_json(request: HttpRequest, limit: int):
-  body = await _read_body(request, limit)
+async def _read_json(request: HttpRequest, limit: int, drain: int):
+  body = await _read_body(request, limit, drain)
   try:
     return json.loads(body)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -103,9 +113,10 @@ class Api:
   """The app's state (the service once loaded, whether it takes requests, how many it holds) and its
   endpoints. `build_app(...).state.api` is this object."""
 
-  def __init__(self, make_service, max_body_bytes: int, drain_timeout_s: float, preload: bool):
+  def __init__(self, make_service, max_body_bytes: int, drain_body_bytes: int, drain_timeout_s: float, preload: bool):
     self.make_service = make_service
     self.max_body_bytes = max_body_bytes
+    self.drain_body_bytes = max(drain_body_bytes, max_body_bytes)
     self.drain_timeout_s = drain_timeout_s
     self.preload = preload
     self.service = None
@@ -195,9 +206,11 @@ class Api:
     if svc is None:
       return self.reject(503, "not_ready", "the server is not ready (models loading)", {"Retry-After": "5"})
     try:
-      parsed = parse(svc, await _read_json(request, self.max_body_bytes))
+      parsed = parse(svc, await _read_json(request, self.max_body_bytes, self.drain_body_bytes))
     except TooLarge as e:
-      return self.reject(413, "too_large", str(e))
+      return self.reject(413, "too_large", str(e), {"Connection": "close"} if e.close else None)
+    except ClientDisconnect:   # gone before its body ended: nobody reads this answer
+      return self.reject(499, "client_gone", "client disconnected")
     except BadRequest as e:
       return self.reject(400, e.reason, str(e))
     req, mode = parsed[-2], parsed[-1]
@@ -242,13 +255,14 @@ class Api:
     return self.reject(500, "internal", f"internal error: {type(exc).__name__}: {exc}")
 
 
-def build_app(make_service, max_body_bytes: int = MAX_BODY_BYTES, drain_timeout_s: float = 60.0,
-              preload: bool = False) -> Starlette:
+def build_app(make_service, max_body_bytes: int = MAX_BODY_BYTES, drain_body_bytes: int = DRAIN_BODY_BYTES,
+              drain_timeout_s: float = 60.0, preload: bool = False) -> Starlette:
   """The ASGI app; `make_service()` builds the `Service` (models, engines) in a background thread
   started by the app's lifespan, or here before returning when `preload` (a Ray Serve replica: it
-  counts as started once its constructor returns). Answers carry the serving process's id in the
-  `x-dgr2-pid` header; `.state.api` is the app's `Api`."""
-  api = Api(make_service, max_body_bytes, drain_timeout_s, preload)
+  counts as started once its constructor returns). An oversize body is read up to `drain_body_bytes`
+  before its 413 (DRAIN_BODY_BYTES). Answers carry the serving process's id in the `x-dgr2-pid`
+  header; `.state.api` is the app's `Api`."""
+  api = Api(make_service, max_body_bytes, drain_body_bytes, drain_timeout_s, preload)
   if preload:
     api.load()
     if api.load_error:
