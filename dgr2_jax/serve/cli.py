@@ -71,6 +71,8 @@ def parse(prog: str, extra_flags=None) -> Launch:
     xla_flags.configure_gpu_flags()
   except ValueError as e:
     sys.exit(f"{prog}: {e}")
+  from dgr2_jax import console
+  console.quiet(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)   # before JAX starts a backend
   config = config_flag.value
   try:   # fail before binding the socket on a missing model
     service_lib.resolve_models(config, workdir.value, model_dir.value, verifier_dir.value)
