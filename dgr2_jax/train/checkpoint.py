@@ -1,13 +1,15 @@
 """Training checkpoints (Orbax): train state + data-iterator state, periodic async saves, keep-N.
 
 Layout: `<workdir>/checkpoints/<step>/{state,data}`. `state` is the train-state dict
-{"params", "opt_state", "step", "rng"} (StandardSave, restored straight into the target shardings);
-`data` is {"process_count": n, "states": [each process's batch-iterator `get_state()` dict]} as
-JSON (grain iterators provide it; so does any iterator with `get_state()/set_state(dict)`); a run
-resumes only under the process count that wrote it. Every process calls `save`/`restore` on the
-same directory with its shards of the global arrays (Orbax writes each shard once, process 0 the
-metadata). Orbax writes into a temporary directory and renames it
-on commit, so a run killed mid-save leaves the previous checkpoint as the latest one.
+{"params", "opt_state", "step", "rng"} (StandardSave, restored straight into the target shardings),
+plus "best" (keep_best's kept params) when the loop validates with keep_best; `data` is
+{"process_count": n, "states": [each process's batch-iterator `get_state()` dict], "loop": the
+loop's JSON state (the validation curve)} as JSON (grain iterators provide `get_state()`; so does
+any iterator with `get_state()/set_state(dict)`); a run resumes only under the process count that
+wrote it. Every process calls `save`/`restore` on the same directory with its shards of the global
+arrays (Orbax writes each shard once, process 0 the metadata). Orbax writes into a temporary
+directory and renames it on commit, so a run killed mid-save (a second SIGTERM is not a kill: see
+`preemption`) leaves the previous checkpoint as the latest one.
 
 This is the resumable *training* state; the model directory a stage hands to later stages is
 written by `dgr2_jax.model.checkpoint.save_model_dir`.
@@ -27,14 +29,19 @@ def make_manager(workdir: str, keep: int, async_save: bool = True) -> ocp.Checkp
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
   options = ocp.CheckpointManagerOptions(max_to_keep=int(keep), create=True,
                                          enable_async_checkpointing=bool(async_save))
-  return ocp.CheckpointManager(directory, options=options, item_names=("state", "data"))
+  # Handlers named up front (not inferred at the first save), so `item_metadata` can read a
+  # checkpoint's tree before restoring it.
+  return ocp.CheckpointManager(directory, options=options, item_handlers={
+      "state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
 
 
-def save(manager: ocp.CheckpointManager, step: int, state, data_state: dict | None) -> None:
+def save(manager: ocp.CheckpointManager, step: int, state, data_state: dict | None, extra: dict | None = None) -> None:
   """Starts an (async) save of `state` and the iterator state at `step`; returns once the arrays
-  are copied off the device, so the caller may donate/overwrite them."""
+  are copied off the device, so the caller may donate/overwrite them. `extra`: JSON-able loop state
+  (the validation curve), returned by `restore`."""
+  data = dict(data_state or {}, **({"loop": extra} if extra else {}))
   manager.save(int(step), args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state or {})), force=True)
+      state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data)), force=True)
 
 
 def latest_step(manager: ocp.CheckpointManager) -> int | None:
@@ -43,12 +50,15 @@ def latest_step(manager: ocp.CheckpointManager) -> int | None:
 
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state=None):
   """-> (state placed with the shardings of `abstract_state` (None: as saved), this process's
-  data-iterator state ({} when none was saved)). ValueError (one line naming both counts) when
-  the checkpoint was written by another number of processes."""
+  data-iterator state ({} when none was saved), the `extra` saved with it ({} when none)).
+  ValueError (one line naming both counts) when the checkpoint was written by another number of
+  processes."""
   out = manager.restore(int(step), args=ocp.args.Composite(
       state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
   where = os.path.join(str(manager.directory), str(int(step)))
-  return out["state"], process_data_state(dict(out["data"] or {}), where) or {}
+  saved = dict(out["data"] or {})
+  extra = saved.pop("loop", None) or {}
+  return out["state"], process_data_state(saved, where) or {}, extra
 
 
 def abstract_like(tree, shardings):
