@@ -362,3 +362,35 @@ def test_on_policy_validation_curve_keeps_the_best_point(setup, tmp_path, later,
   assert gain == pytest.approx(d.mean()) and se == pytest.approx(d.std(ddof=1) / np.sqrt(20))
   recs = [json.loads(l) for l in open(os.path.join(tmp_path, "metrics.jsonl"))]
   assert [r.get("valid_recall@1") for r in recs] == [None, np.mean(later), np.mean(later)]
+
+
+def test_reverse_kl_and_choice_weight(setup):
+  """The reverse KL and the choice-weighted loss against NumPy on the same log-probs; the teacher's
+  log-prob of each rollout token against its full cache."""
+  cfg, params, other, toks, lens = setup
+  roll = rollouts.sample(cfg, params, toks, lens, _dc(1), jax.random.PRNGKey(5), G)
+  seg = rollouts.replay_inputs(roll, 1, 63)
+  batch = _batch(cfg, params, roll, seg)
+  lt = np.asarray(batch["teacher_logp"], np.float64)
+  ls = np.asarray(opd.log_dist(replay.replay_logits(cfg, other, roll["prompt_ids"], roll["prompt_len"], seg, 1),
+                               63), np.float64)
+  m = roll["loss_mask"].astype(bool)
+  fwd = np.where(np.exp(lt) > 0, np.exp(lt) * (lt - ls), 0).sum(-1)
+  rev = (np.exp(ls) * (ls - lt)).sum(-1)
+  clean = np.asarray(seg["clean"])
+  after = int(clean[0, 2])   # a token that occurs in the rollouts: the positions after it are the "choices"
+  at = np.concatenate([np.zeros_like(clean[:, :1], bool), clean[:, :-1] == after], 1) & m
+  assert 0 < at.sum() < m.sum()
+  for w in (1.0, 5.0):
+    loss, mt = opd.opd_loss(cfg, other, batch, None, block_size=1, teacher_cache="full", mask_id=63,
+                            choice=opd.Choice(after, w))
+    wt = np.where(at, w, 1.0) * m
+    np.testing.assert_allclose(float(loss), (wt * fwd).sum() / wt.sum(), rtol=1e-4)
+    np.testing.assert_allclose(float(mt["kl_to_teacher"]), fwd[m].mean(), rtol=1e-4)
+    np.testing.assert_allclose(float(mt["reverse_kl"]), rev[m].mean(), rtol=1e-4)
+    np.testing.assert_allclose(float(mt["choice_kl"]), fwd[at].mean(), rtol=1e-4)
+    assert float(mt["denominator"]) == wt.sum()
+  # The same reverse KL scored in the step (teacher_cache 'none') as from the cache.
+  _, mn = opd.opd_loss(cfg, other, {k: v for k, v in batch.items() if k != "teacher_logp"}, None, params,
+                       block_size=1, teacher_cache="none", mask_id=63, teacher_config=cfg)
+  np.testing.assert_allclose(float(mn["reverse_kl"]), rev[m].mean(), rtol=1e-4)

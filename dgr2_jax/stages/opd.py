@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dgr2_jax import chain
+from dgr2_jax import multihost
 from dgr2_jax.stages import common
 from dgr2_jax.stages import contract
 from dgr2_jax.stages import on_policy
@@ -155,7 +156,11 @@ def distillation(config, oc, task: dict, src: str, teacher_dir: str) -> Distilla
                 **{n: seg[n] for n in rollouts.SEGMENT_KEYS}, **teacher_cache(roll, seg)), seg
 
   kw = dict(block_size=bs, teacher_cache=mode, mask_id=mask_id)
-  loss = functools.partial(opd.opd_loss, student_cfg, teacher_config=tcfg, **kw)
+  choice_id = choice_after_id(task["tokenizer"])
+  if float(oc.get("choice_weight", 1.0)) != 1.0 and choice_id < 0:
+    raise ValueError("config.opd.choice_weight needs ' #' (before a candidate number) to be one token of "
+                     "this tokenizer")
+  loss = loss_for(oc, student_cfg, tcfg, mask_id, choice_id)
   if mode == "none":  # held for the whole stage: in the compute dtype (exact, half an f32 copy)
     tparams = opd.frozen_teacher(tcfg, tparams)
   frozen = tparams if mode == "none" else None
@@ -163,6 +168,51 @@ def distillation(config, oc, task: dict, src: str, teacher_dir: str) -> Distilla
                                                 **kw))
   return Distillation(mc, params, sample, batch, loss, lambda p, b: kl_jit(p, b, tparams), frozen,
                       student_config=student_cfg, decode_config=dc)
+
+
+def loss_for(oc, student_cfg, teacher_cfg, mask_id: int, choice_id: int):
+  """The OPD step's loss (`opd.opd_loss`) of `student_cfg` against the AR teacher `teacher_cfg` (None:
+  the 'self_tau1' teacher's cache) under section `oc`; `choice_id`: `choice_after_id`'s token."""
+  return functools.partial(opd.opd_loss, student_cfg, teacher_config=teacher_cfg,
+                           choice=opd.Choice(choice_id, float(oc.get("choice_weight", 1.0))),
+                           block_size=int(student_cfg.block_size), teacher_cache=str(oc.teacher_cache),
+                           mask_id=mask_id)
+
+
+def choice_after_id(tokenizer) -> int:
+  """The token id of ' #' (before each candidate number the reasoning names), or -1 when this
+  tokenizer splits it."""
+  from dgr2_jax.task import prompts as prompts_lib
+  ids = prompts_lib.encode(tokenizer, " #")
+  return int(ids[0]) if len(ids) == 1 else -1
+
+
+def heldout_kl(d: Distillation, prompts: dict, n: int):
+  """-> `params -> {"heldout_kl", "heldout_reverse_kl"}`: the student's rollouts of the first `n`
+  of `prompts` (one each, at the rollouts' temperature, the same key every call), scored by the
+  teacher: KL(teacher || student) and KL(student || teacher), token means over the committed
+  tokens, the same for any process count (each process decodes users i, i + P, ...). None for n 0."""
+  pc, pi = jax.process_count(), jax.process_index()
+  n = min(int(n), len(prompts["prompt_ids"])) // pc * pc
+  if n == 0:
+    return None
+  mine = {k: v[:n][pi::pc] for k, v in prompts.items()}
+
+  def measure(params) -> dict:
+    roll = rollouts.sample(d.student_config, params, mine["prompt_ids"], mine["prompt_len"], d.decode_config,
+                           jax.random.PRNGKey(0), 1)
+    batch, _ = d.batch(roll)
+    if pc > 1:   # this process's rows of one global batch, as the rollouts were decoded
+      rows = rollouts.global_rows_sharding(params)
+      batch = {k: rollouts.to_global(np.asarray(v), rows) for k, v in batch.items()}
+    kl, _, rkl = d.token_kl_fn(params, batch)
+    m = roll["loss_mask"].astype(np.float64)
+    sums = [float((m * rollouts.to_local(x, len(m)) if pc > 1 else m * np.asarray(x)).sum()) for x in (kl, rkl)]
+    parts = multihost.allgather("opd_heldout_kl", sums + [float(m.sum())])
+    tot = np.sum(np.asarray(parts, np.float64), axis=0)
+    return {"heldout_kl": tot[0] / max(tot[2], 1.0), "heldout_reverse_kl": tot[1] / max(tot[2], 1.0)}
+
+  return measure
 
 
 def _hash(config, workdir: str, upstream: dict) -> str:
@@ -173,6 +223,14 @@ def _hash(config, workdir: str, upstream: dict) -> str:
   teacher_dir = teacher_model_dir(config, oc, workdir)
   if teacher_dir and not os.path.isdir(teacher_dir):
     raise FileNotFoundError(f"config.opd.teacher_dir: {teacher_dir} not found (run the sft / teacher_rl stage)")
+  # Fields at the values that train as before they existed, and metrics-only fields, stay out of the
+  # hash (built stages stay fresh).
+  unset = ["heldout_prompts"] + (["choice_weight"] if float(oc.get("choice_weight", 1.0)) == 1.0 else [])
+  oc = oc.copy_and_resolve_references()
+  with oc.unlocked():
+    for k in unset:
+      if k in oc:
+        del oc[k]
   return common.config_hash(config.seed, oc, config.decode, config.task, config.train.mesh,
                             config.train.optimizer, src, common.model_hash(src), teacher_dir,
                             common.model_hash(teacher_dir) if teacher_dir else None, upstream["traces"],
@@ -190,7 +248,13 @@ def _build(config, workdir: str, build: contract.Build) -> str:
   pps, g = int(oc.prompts_per_step), int(oc.rollouts_per_prompt)
   steps = int(oc.steps) or max(1, int(oc.epochs) * n // pps)
   tconf = on_policy.on_policy_config(config, rows=pps * g, steps=steps, lr=oc.lr, grad_accum=oc.grad_accum_steps)
-  state = rollouts.train_on_policy(tconf, train_dir, params=d.params, loss_fn=d.loss_fn, make_batch=d.make_batch,
+  make_batch = d.make_batch
+  held = heldout_kl(d, on_policy.task_setup(config, workdir, "valid")["prompts"], int(oc.get("heldout_prompts", 0)))
+  if held is not None:
+    def make_batch(params, prompts, key):
+      batch, m = d.make_batch(params, prompts, key)
+      return batch, dict(m, **held(params))
+  state = rollouts.train_on_policy(tconf, train_dir, params=d.params, loss_fn=d.loss_fn, make_batch=make_batch,
                                    prompt_iter=on_policy.prompt_iterator(task["prompts"], pps, int(config.seed)),
                                    desc="opd", frozen=d.frozen,
                                    validation=loop.Validation(on_policy.validator(config, workdir, oc, d.student_config,

@@ -57,6 +57,8 @@ would produce other tokens and give no target at the student's positions.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -109,6 +111,15 @@ def opd_config() -> ml_collections.ConfigDict:
   c.valid_every = 0
   c.valid_prompts = 512        # validation users decoded per point of the curve
   c.keep_best = False          # the best point beating the start by >= 2 paired SEs (loop.keep_bar), else the start
+  # Weight of the KL at the candidate numbers the reasoning names (the token after ' #': the first
+  # pick is decided there), against 1 for every other token (`train.opd.opd_loss`). A rollout is
+  # ~60 tokens of which two decide the ranking; at 1 the few positions where the student's pick
+  # differs from the teacher's are a sliver of the token mean.
+  c.choice_weight = 1.0
+  # Held-out KL each step: the first `heldout_prompts` validation users (0 = none), one rollout
+  # each at `temperature` with a fixed key, scored by the teacher: the forward and reverse KL in
+  # the step's metrics (`heldout_kl`, `heldout_reverse_kl`).
+  c.heldout_prompts = 0
   return c
 
 
@@ -188,10 +199,28 @@ def kl_from_cache(cache: dict, student_logp) -> jax.Array:
   return kl + jnp.where(pt_rest > 0, pt_rest * (lt_rest - ls_rest), 0.0)
 
 
+def reverse_kl_from_cache(cache: dict, student_logp) -> jax.Array:
+  """KL(student || teacher) [b,R] per position, over the same outcomes as `kl_from_cache` (the
+  whole vocabulary, or the teacher's top-k plus the rest): the divergence the student's own
+  samples estimate, logged beside the loss."""
+  if "teacher_logp" in cache:
+    lt = cache["teacher_logp"]
+    ps = jnp.exp(student_logp)
+    return jnp.sum(jnp.where(ps > 0, ps * (student_logp - jnp.maximum(lt, _NEG)), 0.0), axis=-1)
+  lt, idx = cache["teacher_topk_logp"], cache["teacher_topk_idx"]
+  ls = jnp.take_along_axis(student_logp, idx, axis=-1)
+  ps = jnp.exp(ls)
+  rkl = jnp.sum(jnp.where(ps > 0, ps * (ls - lt), 0.0), axis=-1)
+  ls_rest = _rest_logp(student_logp, idx)
+  ps_rest = jnp.exp(ls_rest)
+  return rkl + jnp.where(ps_rest > 0, ps_rest * (ls_rest - cache["teacher_rest_logp"]), 0.0)
+
+
 def token_kl(student_config, params, batch: dict, *, block_size: int, teacher_cache: str = "full",
              mask_id=None, teacher=None):
-  """(KL(teacher || student) [b,R], student argmax == teacher argmax [b,R]) at every response index,
-  in vocabulary chunks; the batch as in `opd_loss`. Positions outside `loss_mask` hold garbage.
+  """(KL(teacher || student) [b,R], student argmax == teacher argmax [b,R], KL(student || teacher)
+  [b,R]) at every response index, in vocabulary chunks; the batch as in `opd_loss`. Positions
+  outside `loss_mask` hold garbage.
 
   `teacher_cache` 'full' / 'topk' read the teacher from the batch's cache; 'none' scores the AR
   teacher here, `teacher = (teacher_config, teacher_params)`, exactly and without a cache."""
@@ -215,37 +244,69 @@ def token_kl(student_config, params, batch: dict, *, block_size: int, teacher_ca
       hs, ht = xs
       ls = log_dist(qwen3.lm_head(student_config, params, hs), mask_id)
       lt = log_dist(qwen3.lm_head(tcfg, tparams, ht), mask_id)
-      return kl_from_cache({"teacher_logp": lt}, ls), jnp.argmax(ls, -1) == jnp.argmax(lt, -1)
+      cache = {"teacher_logp": lt}
+      return (kl_from_cache(cache, ls), jnp.argmax(ls, -1) == jnp.argmax(lt, -1),
+              reverse_kl_from_cache(cache, ls))
     lead = hidden.shape[:-1]
     flat = (hidden.reshape(-1, hidden.shape[-1]), th.reshape(-1, th.shape[-1]))
     chunk = logits_lib.positions_per_chunk(student_config.vocab_size, flat[0].shape[0],
                                            student_config.logits_chunk)
-    kl, agree = logits_lib.map_positions(one, flat, chunk)
-    return kl.reshape(lead), agree.reshape(lead)
+    kl, agree, rkl = logits_lib.map_positions(one, flat, chunk)
+    return kl.reshape(lead), agree.reshape(lead), rkl.reshape(lead)
 
   def one(lg, *fields):
     ls = log_dist(lg, mask_id)
     cache = dict(zip(need, fields))
     t_top = cache["teacher_topk_idx"][..., 0] if teacher_cache == "topk" else jnp.argmax(cache["teacher_logp"], -1)
-    return kl_from_cache(cache, ls), jnp.argmax(ls, -1) == t_top
+    return kl_from_cache(cache, ls), jnp.argmax(ls, -1) == t_top, reverse_kl_from_cache(cache, ls)
   return logits_lib.per_position(student_config, params, one, hidden, *[batch[k] for k in need])
 
 
+class Choice(NamedTuple):
+  """The candidate numbers' weight in `opd_loss`: `after_id` the token before each (' #'; -1 = no
+  choice positions), `weight` their KL's weight against 1 for every other token."""
+  after_id: int = -1
+  weight: float = 1.0
+
+
+def choice_positions(clean, choice_after_id: int):
+  """[b,R] bool: response tokens right after a `choice_after_id` token (' #': the candidate numbers
+  the reasoning names, where the first pick is decided; as CFT's `choice_weight`)."""
+  prev = jnp.concatenate([jnp.full_like(clean[:, :1], -1), clean[:, :-1]], 1)
+  return prev == choice_after_id
+
+
 def opd_loss(student_config, params, batch: dict, rng=None, teacher_params=None, *, block_size: int,
-             teacher_cache: str = "full", mask_id=None, teacher_config=None) -> tuple[jax.Array, dict]:
+             teacher_cache: str = "full", mask_id=None, teacher_config=None,
+             choice: Choice = Choice()) -> tuple[jax.Array, dict]:
   """-> (loss, metrics). batch: prompt [b,P], prompt_len [b], clean [b,R], seg_tokens, pred_seg,
   loss_mask [b,R] and the teacher cache (`CACHE_KEYS[teacher_cache]`; none for 'none', which
-  takes the AR teacher's params as `teacher_params`, the training loop's frozen argument)."""
+  takes the AR teacher's params as `teacher_params`, the training loop's frozen argument).
+
+  The loss is the weighted mean of the per-token KL(teacher || student) over `loss_mask`, each
+  token weighing 1, or `choice.weight` at the candidate numbers (`choice_positions`, with
+  `choice.after_id` >= 0). Metrics: the unweighted token means of the KL (`kl_to_teacher`), of the
+  reverse KL(student || teacher) on the student's own rollouts (`reverse_kl`) and of the argmax
+  agreement; and, with `choice.after_id` >= 0, the KL and the agreement at the choice positions."""
   del rng
   teacher = (teacher_config, teacher_params) if teacher_cache == "none" else None
-  kl, agree = token_kl(student_config, params, batch, block_size=block_size, teacher_cache=teacher_cache,
-                       mask_id=mask_id, teacher=teacher)
+  kl, agree, rkl = token_kl(student_config, params, batch, block_size=block_size, teacher_cache=teacher_cache,
+                            mask_id=mask_id, teacher=teacher)
   m = batch["loss_mask"].astype(jnp.float32)
-  denom = jnp.sum(m)
-  loss = jnp.sum(m * kl) / jnp.maximum(denom, 1.0)
+  tokens = jnp.sum(m)
+  mean = lambda x, w: jnp.sum(w * x) / jnp.maximum(jnp.sum(w), 1.0)
+  w = m
+  metrics = {}
+  if choice.after_id >= 0:
+    at = choice_positions(batch["clean"], choice.after_id).astype(jnp.float32) * m
+    w = m + (float(choice.weight) - 1.0) * at
+    metrics.update(choice_kl=mean(kl, at), choice_agreement=mean(agree, at), choice_tokens=jnp.sum(at))
+  denom = jnp.sum(w)
+  loss = jnp.sum(w * kl) / jnp.maximum(denom, 1e-8)
   # Agreement of the argmaxes: a cheap readable progress signal next to the KL.
-  agree = jnp.sum(m * agree) / jnp.maximum(denom, 1.0)
-  return loss, {"kl_to_teacher": loss, "top1_agreement": agree, "tokens": denom, "denominator": denom}
+  metrics.update(kl_to_teacher=mean(kl, m), reverse_kl=mean(rkl, m), top1_agreement=mean(agree, m), tokens=tokens,
+                 denominator=denom)
+  return loss, metrics
 
 
 def validate(config, runs: set) -> None:
@@ -265,6 +326,10 @@ def validate(config, runs: set) -> None:
       checks.fail("opd.student_context", "must be 'replay' with opd.teacher='self_tau1'")
   if float(c.opd.lr) <= 0:
     checks.fail("opd.lr", f"must be > 0, got {c.opd.lr}")
+  if float(c.opd.get("choice_weight", 1.0)) < 0:
+    checks.fail("opd.choice_weight", f"must be >= 0, got {c.opd.choice_weight}")
+  if not checks.is_int(c.opd.get("heldout_prompts", 0), 0):
+    checks.fail("opd.heldout_prompts", f"must be an int >= 0, got {c.opd.heldout_prompts!r}")
   if c.opd.get("teacher_cache", "full") not in TEACHER_CACHES:
     checks.fail("opd.teacher_cache", f"must be one of {list(TEACHER_CACHES)}, got {c.opd.teacher_cache!r}")
   if c.opd.get("teacher_cache", "full") == "none" and c.opd.teacher != "ar":
