@@ -3,6 +3,9 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Compile-only TPU tests in two workers at once: libtpu's machine-wide lock would fail the second
+# (dgr2_jax/aot/targets.py says why a compile-only client may ignore it).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # One persistent XLA compilation cache for the session and every process it starts (they inherit
@@ -31,9 +34,9 @@ import pytest  # noqa: E402
 # (`smoke_workdir`) are one more, so it is built once. Units start heaviest first (the slowest
 # modules of a --durations run on two cores), so that no long unit starts last; the rest keep
 # their collection order. Without -n the same order runs in one process.
-_HEAVY_FIRST = ("test_multiprocess_pipeline.py", "smoke", "test_decode.py", "test_speculative.py",
-                "test_decode_mesh.py", "test_vocab_chunks.py", "test_retriever.py", "test_multiprocess.py",
-                "test_dynamic_sampling.py", "test_flash_pallas.py")
+_HEAVY_FIRST = ("test_multiprocess_pipeline.py", "smoke", "test_compile_targets.py", "test_decode.py",
+                "test_speculative.py", "test_decode_mesh.py", "test_vocab_chunks.py", "test_retriever.py",
+                "test_multiprocess.py", "test_dynamic_sampling.py", "test_flash_pallas.py")
 
 
 def _work_unit(item):
@@ -102,3 +105,17 @@ def smoke_workdir(tmp_path_factory):
   if not os.path.exists(os.path.join(workdir, "results", "stage_times.json")):
     run_main(workdir, timeout=1500)
   return workdir
+
+
+@pytest.fixture
+def foreign_path(tmp_path):
+  """A PATH whose first folder holds a `python`, `python3`, `pip` and `pip3` that exit 1 at once, as
+  an interpreter without this project would fail (issue 54: a venv's tests run with no venv
+  activated): a command that passes under it started every interpreter as sys.executable."""
+  fake = tmp_path / "foreign_bin"
+  fake.mkdir()
+  for name in ("python", "python3", "pip", "pip3"):
+    (fake / name).write_text(f'#!/bin/sh\necho "{name} from PATH ($0): not the interpreter running the tests" >&2\n'
+                             "exit 1\n")
+    (fake / name).chmod(0o755)
+  return f"{fake}{os.pathsep}{os.environ.get('PATH', '')}"

@@ -1,7 +1,7 @@
 """The user documentation holds: every relative link and image of README.md and docs/*.md resolves
 (anchors included), docs/configuration.md is what tools/config_docs.py writes today, and every
 command block of the README runs as written, long runs at smoke size (the mapping below says which
-command stands for which, and why)."""
+command stands for which, and why), under the interpreter running the tests whatever PATH holds."""
 
 import os
 import re
@@ -194,16 +194,26 @@ def tiny_hf(tmp_path_factory):
   return checkpoint.save_hf_dir(str(root / "hf"), cfg, params, tokenizer_src=tok_dir)
 
 
-def test_readme_commands_run(tmp_path, tiny_hf):
+def readme_argv(cmd: str) -> list[str]:
+  """A command's argv under the interpreter running the tests, whatever PATH holds first (a venv's
+  tests run with no venv activated): each `python`/`python3` word, the command's own or the one a
+  launcher is given, is sys.executable, and a leading `pip` is `sys.executable -m pip`."""
+  words = [sys.executable if w in ("python", "python3") else w for w in shlex.split(cmd)]
+  return [sys.executable, "-m", "pip", *words[1:]] if words[0] in ("pip", "pip3") else words
+
+
+def test_readme_commands_run(tmp_path, tiny_hf, foreign_path):
+  """Every README command as mapped above, with a `python` on PATH that fails (the launch scripts
+  take their interpreter from PYTHON)."""
   (tmp_path / "data").mkdir()
   (tmp_path / "prompts.jsonl").write_text('{"prompt": "rank the candidates"}\n')
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHON=sys.executable, PATH=foreign_path)
   for readme_cmd in readme_commands():
     cmd, status = SMOKE[readme_cmd] if isinstance(SMOKE[readme_cmd], tuple) else (SMOKE[readme_cmd], 0)
     if cmd is None:
       continue
     cmd = cmd.replace("{tmp}", str(tmp_path)).replace("{hf}", tiny_hf).replace("{data}", str(tmp_path / "data"))
-    r = subprocess.run(shlex.split(cmd), cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(readme_argv(cmd), cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == status, f"{readme_cmd}\n  ran as: {cmd}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
   assert (tmp_path / "b8" / "sids" / "tokens.txt").exists()   # the SIDs, with `data` built first
   assert (tmp_path / "b8" / "data").exists()

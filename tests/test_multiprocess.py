@@ -9,13 +9,14 @@ a resume under another process count is refused with one line naming both counts
 """
 
 import os
+import sys
 
 import numpy as np
 import pytest
 
 import multiprocess_harness as mph
 
-WORKER = ["python", "tests/mp_train_worker.py"]
+WORKER = [sys.executable, "tests/mp_train_worker.py"]
 
 
 def params(npz) -> dict:
@@ -98,6 +99,15 @@ def test_launch_variables():
     kw({k: v for k, v in env.items() if k != "JAX_PROCESS_ID"})
   with pytest.raises(ValueError, match="0 <= id < count"):
     kw({**env, "JAX_PROCESS_ID": "4"})
+
+
+def test_launcher_runs_nothing_from_path(foreign_path):
+  """With a `python` and `python3` first on PATH that fail (a venv's tests, no venv activated), the
+  harness and launch/local_multi_process.sh still find a free port and start both processes under
+  the interpreter running the tests."""
+  code = ("import os, dgr2_jax; a = os.environ['JAX_COORDINATOR_ADDRESS']; "
+          "assert a.rsplit(':', 1)[1].isdigit(), a")
+  mph.check(mph.launch(2, 1, [sys.executable, "-c", code], env={"PATH": foreign_path}, timeout=120))
 
 
 def test_batch_sizes_checked():
