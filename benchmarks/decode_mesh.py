@@ -3,21 +3,22 @@
   python benchmarks/decode_mesh.py                       # Qwen3-8B, tensor 1/2/4/8, AR and W=32, bf16
   python benchmarks/decode_mesh.py --layers=36 --compile=false   # the full depth, lowered only
 
-Simulates `--devices` CPU devices (XLA_FLAGS, set before jax starts), builds the decode mesh
+Simulates `--devices` CPU devices (XLA_FLAGS, set before jax starts), or takes a compile-only
+target's (`--target=h100x8`: the program those GPUs run, without them), builds the decode mesh
 (decode/mesh.py) with data=1 and tensor=t, and lowers the jitted decoders (sampler.compiled_decoder:
 AR = block size 1, diffusion = block size 32 at tau 0.9) with every parameter and input a
 `jax.ShapeDtypeStruct` carrying its NamedSharding: nothing is allocated. Per row: the parameter
 bytes each device holds (from the shardings), the KV cache bytes per device, and, compiled
-(`--compile`), the collectives of the optimised program (all-gathers, all-reduces and the largest
-all-gather's bytes: a weight gathered per step would show here as tens of MB) and XLA's memory
-analysis per device. `--layers` < 36 keeps the 8B widths at a smaller depth (compile time grows
-with depth; every layer is sharded alike).
+(`--compile`), the collectives of the optimised program (all-gathers and all-reduces, those a
+loop body runs and the bytes these move, and the largest all-gather's bytes: a weight gathered per
+step would show here as tens of MB) and XLA's memory analysis per device. `--layers` < 36 keeps
+the 8B widths at a smaller depth (compile time grows with depth; every layer is sharded alike).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import re
 import sys
 import time
 
@@ -30,6 +31,9 @@ flags.DEFINE_integer("prompt_len", 2200, "prompt slots")
 flags.DEFINE_integer("max_new_tokens", 256, "response slots")
 flags.DEFINE_list("tensor", ["1", "2", "4", "8"], "tensor sizes")
 flags.DEFINE_bool("compile", True, "compile and count collectives (else lower only)")
+flags.DEFINE_string("target", "", "compile for this target's devices instead of simulated CPU devices "
+                    "(dgr2_jax/aot/targets.py: h100x8, v5e-8, ...; pip install -e \".[aot]\")")
+flags.DEFINE_string("json_out", "", "also write the rows as JSON here")
 FLAGS = flags.FLAGS
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -46,36 +50,41 @@ def _bytes_per_device(tree) -> int:
   return total
 
 
-def _collectives(hlo: str) -> dict:
-  """Counts of all-gathers / all-reduces in an optimised HLO text, and the largest all-gather's
-  result bytes and the computation it sits in (a branch of the sampling-route switch only runs
-  when that route does)."""
-  sizes = {"bf16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "f16": 2, "s8": 1}
-  biggest, where, comp = 0, "-", "-"
-  for line in hlo.splitlines():
-    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
-    if head and not line.startswith(" "):
-      comp = head.group(1)
-    m = re.search(r"= (\w+)\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", line)
-    if m:
-      n = 1
-      for d in filter(None, m.group(2).split(",")):
-        n *= int(d)
-      if n * sizes.get(m.group(1), 4) > biggest:
-        biggest, where = n * sizes.get(m.group(1), 4), f"{m.group(1)}[{m.group(2)}] in {comp}"
-  return {"all_gather": len(re.findall(r" all-gather(?:-start)?\(", hlo)),
-          "all_reduce": len(re.findall(r" all-reduce(?:-start)?\(", hlo)),
-          "largest_all_gather_bytes": biggest, "largest_all_gather": where}
+def _collectives(text: str) -> dict:
+  """Counts of all-gathers / all-reduces in an optimised HLO text (dgr2_jax/aot/hlo.py), how many
+  of each a loop body runs (every step) and the bytes of those, and the largest all-gather's result
+  bytes and the computation it sits in (a branch of the sampling-route switch only runs when that
+  route does)."""
+  from dgr2_jax.aot import hlo
+  found = hlo.collectives(text)
+  gathers = [c for c in found if c.op == "all-gather"]
+  big = max(gathers, key=lambda c: c.bytes, default=None)
+  looped = [c for c in found if c.in_loop]
+  return {"all_gather": len(gathers), "all_gather_in_loop": sum(c.in_loop for c in gathers),
+          "all_reduce": sum(c.op == "all-reduce" for c in found),
+          "all_reduce_in_loop": sum(c.op == "all-reduce" for c in looped),
+          "in_loop_bytes": sum(c.bytes for c in looped),
+          "largest_all_gather_bytes": big.bytes if big else 0,
+          "largest_all_gather": f"{big.shape} in {big.computation}" if big else "-"}
 
 
 def main(_):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={FLAGS.devices}")
+  if not FLAGS.target:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={FLAGS.devices}")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from dgr2_jax.aot import targets
+  with targets.compile_for(FLAGS.target) if FLAGS.target else contextlib.nullcontext():
+    run()
+
+
+def run():
   import jax
   import jax.numpy as jnp
   import numpy as np
+  from dgr2_jax import platform
+  from dgr2_jax.aot import hlo
   from dgr2_jax.decode import mesh as dmesh
   from dgr2_jax.decode import sampler
   from dgr2_jax.model import qwen3
@@ -85,10 +94,13 @@ def main(_):
                     param_dtype="bfloat16", mask_token_id=151669, eos_token_id=151645, pad_token_id=151643)
   shapes = qwen3.param_shapes(cfg)
   print(f"Qwen3-8B widths, {FLAGS.layers} layers, bf16, batch {FLAGS.batch}, prompt {FLAGS.prompt_len}, "
-        f"{FLAGS.max_new_tokens} new tokens, {jax.device_count()} simulated {jax.default_backend()} devices; "
+        f"{FLAGS.max_new_tokens} new tokens, {len(platform.devices())} "
+        f"{FLAGS.target or 'simulated ' + platform.backend()} devices; "
         f"params {qwen3.count_params(shapes) / 1e9:.2f} B")
   cols = ("decoder", "tensor", "param_MB_per_dev", "kv_MB_per_dev", "lower_s", "compile_s", "all_gather",
-          "all_reduce", "largest_all_gather_bytes", "largest_all_gather", "temp_MB_per_dev")
+          "all_gather_in_loop", "all_reduce", "all_reduce_in_loop", "in_loop_bytes", "largest_all_gather_bytes",
+          "largest_all_gather", "temp_MB_per_dev")
+  table = []
   print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
   dump = os.environ.get("DECODE_MESH_HLO", "")   # a directory: each compiled program's text goes there
   for t in map(int, FLAGS.tensor):
@@ -121,11 +133,21 @@ def main(_):
         if dump:
           with open(os.path.join(dump, f"{name}_t{t}.hlo"), "w") as f:
             f.write(text)
-        mem = compiled.memory_analysis()
+        mem = hlo.memory(compiled)
         if mem is not None:
-          row["temp_MB_per_dev"] = mem.temp_size_in_bytes / 2**20
+          row["temp_MB_per_dev"] = mem.temporaries / 2**20
+      table.append(row)
       print("| " + " | ".join(f"{row[c]:.1f}" if isinstance(row.get(c), float) else str(row.get(c, "-"))
                               for c in cols) + " |", flush=True)
+  if FLAGS.json_out:
+    import json
+    from dgr2_jax import results
+    with open(FLAGS.json_out, "w") as f:
+      json.dump(dict(kind="dgr2-compiled", benchmark="decode_mesh", git_commit=results.git_commit(),
+                     jax_version=jax.__version__, backend=platform.backend(), target=FLAGS.target,
+                     layers=FLAGS.layers, batch=FLAGS.batch, prompt_len=FLAGS.prompt_len,
+                     max_new_tokens=FLAGS.max_new_tokens,
+                     command="python benchmarks/decode_mesh.py " + " ".join(sys.argv[1:]), rows=table), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ lm_head (the vocabulary projection), choose (token, confidence, commit rule, sam
 Then what bounds the wall-clock ratio. Five calls per batch size, timed in turn `--rounds` times
 (medians; a noisy machine's slow spells fall on all five alike): each decode without the profiler;
 the pure forward each of its iterations runs (a 1-slot window for AR, a 32-slot one with its 32
-positions projected to the vocabulary for diffusion: decode_throughput.window_loop); and the
+positions projected to the vocabulary for diffusion: programs.window_loop); and the
 call's fixed part, the prompts' prefill and the call itself, the same for both decoders (a jitted
 prefill). With a call = fixed part + iterations x per-iteration cost, the speedup is given:
 measured; if neither loop cost anything beyond its forwards (the bound that making both loops
@@ -60,7 +60,6 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 if any(arg.startswith("--preset") for arg in sys.argv[1:]):   # the device's run: its GPU, the decoders' flags
   from dgr2_jax.decode import xla_flags
   xla_flags.configure_gpu_flags()
@@ -71,9 +70,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from dgr2_jax import results as results_lib  # noqa: E402
+from dgr2_jax.aot import hlo as hlo_lib  # noqa: E402
+from dgr2_jax.aot import programs  # noqa: E402
 from dgr2_jax.decode import sampler  # noqa: E402
 from dgr2_jax.model import attention, masks, qwen3  # noqa: E402
-import decode_throughput  # noqa: E402
 
 # (group, pattern on the HLO op_name): the first that matches wins.
 # (group, pattern on the HLO op_name): the first that matches wins. In the loop, the ops outside the
@@ -94,59 +95,23 @@ GROUP_NAMES = tuple(g for g, _ in GROUPS) + ("rest",)
 CONTAINERS = ("while", "conditional", "call", "tuple", "get-tuple-element", "parameter", "constant", "bitcast")
 
 
-def parse_hlo(hlo: str) -> dict:
-  """Compiled HLO text -> {instruction: dict(comp, opcode, op_name, shape, operands, calls)}
-  (`calls`: the computations it runs: a fusion's, a loop's body and condition, a conditional's
-  branches), and under the key None {computation: its header line (its parameters' shapes)}."""
-  insts, headers, comp = {}, {}, ""
-  for line in hlo.splitlines():
-    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)   # computations start unindented
-    if head:
-      comp = head.group(1)
-      headers[comp] = line
-      continue
-    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([\w\-]+)\(([^)]*)\)", line)
-    if not m:
-      continue
-    meta = re.search(r'op_name="([^"]*)"', line)
-    calls = re.findall(r"(?:calls|body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)", line)
-    branches = re.search(r"branch_computations=\{([^}]*)\}", line)
-    if branches:
-      calls += [c.strip().lstrip("%") for c in branches.group(1).split(",")]
-    insts[m.group(1)] = dict(comp=comp, opcode=m.group(3), op_name=meta.group(1) if meta else "", shape=m.group(2),
-                             operands=re.findall(r"%([\w.\-]+)", m.group(4)), calls=calls)
-  insts[None] = headers
-  return insts
-
-
-def loop_computations(insts: dict) -> set:
-  """Every computation a `while` loop runs, nested ones and their fusions included."""
-  todo = [c for i in insts.values() if i["opcode"] == "while" for c in i["calls"]]
-  by_comp = _by_computation(insts)
-  seen = set()
-  while todo:
-    c = todo.pop()
-    if c not in seen:
-      seen.add(c)
-      todo += [x for i in by_comp.get(c, ()) for x in i["calls"]]
-  return seen
-
-
-def _by_computation(insts: dict) -> dict:
-  out = collections.defaultdict(list)
-  for i in insts.values():
-    out[i["comp"]].append(i)
-  return out
+def _op_name(attrs: str) -> str:
+  m = re.search(r'op_name="([^"]*)"', attrs)
+  return m.group(1) if m else ""
 
 
 class Program:
   """A compiled program's HLO, for naming and grouping the ops of its trace."""
 
   def __init__(self, hlo: str, vocab: int = 0, slots: int = 0):
-    self.insts = parse_hlo(hlo)
-    self.headers = self.insts.pop(None)
-    self.loops = loop_computations(self.insts)
-    self.by_comp = _by_computation(self.insts)
+    comps, _ = hlo_lib.parse(hlo)
+    # {instruction: dict(comp, opcode, op_name, shape, operands, calls)}; `calls`: the computations
+    # it runs (a fusion's, a loop's body and condition, a conditional's branches).
+    self.insts = {i.name: dict(comp=c, opcode=i.opcode, op_name=_op_name(i.attrs), shape=i.shape,
+                               operands=i.operands, calls=hlo_lib.called(i))
+                  for c, insts in comps.items() for i in insts}
+    self.loops = hlo_lib.in_loops((comps, None))   # every computation a while loop runs
+    self.by_comp = {c: [self.insts[i.name] for i in insts] for c, insts in comps.items()}
     self.kernels = {re.sub(r"[.\-]", "_", k): k for k in self.insts}   # a GPU kernel is named after its op
     self.vocab, self.slots = vocab, slots
 
@@ -183,8 +148,8 @@ class Program:
   def shapes(self, name: str) -> str:
     """The shapes an instruction touches: its own, its operands' and its computations' parameters'."""
     inst = self.insts[name]
-    return " ".join([inst["shape"]] + [self.insts[o]["shape"] for o in inst["operands"] if o in self.insts]
-                    + [self.headers.get(c, "") for c in inst["calls"]])
+    params = [i["shape"] for c in inst["calls"] for i in self.by_comp.get(c, ()) if i["opcode"] == "parameter"]
+    return " ".join([inst["shape"]] + [self.insts[o]["shape"] for o in inst["operands"] if o in self.insts] + params)
 
   def group_of(self, op: str) -> str:
     """The op's group by its op_name; an op without one (a CPU dot loses it) by its shapes: a
@@ -348,7 +313,7 @@ def launch_gaps(ops: list, loop_ops: set, calls: int, iterations: int) -> float:
 def preset_model(a):
   """(model config, params on the device) of a random-weights `--preset` (decode_throughput's shapes)."""
   from dgr2_jax.model.config import Qwen3Config
-  cfg = Qwen3Config(rope_theta=1e6, **decode_throughput.PRESETS[a.preset])
+  cfg = Qwen3Config(rope_theta=1e6, **programs.SHAPES[a.preset])
   if a.dtype:
     cfg = cfg.replace(dtype=a.dtype, param_dtype=a.dtype)
   if a.attention:
@@ -389,7 +354,6 @@ class Recorder:
 def preset_profile(a) -> dict:
   """The random-weights mode (module docstring): one AR decode call of `--new_tokens` steps traced
   `--calls` times -> the JSON's dict."""
-  import run_meta
   cfg, params = preset_model(a)
   dc, fn = ar_decoder(cfg, a)
   rs = np.random.RandomState(0)
@@ -409,7 +373,7 @@ def preset_profile(a) -> dict:
   per_iter = {g: groups.get(g, 0.0) for g in GROUP_NAMES}
   top = sorted(((us, op) for op, us in dur.items() if prog.where(op) in ("loop", "prefill")), reverse=True)[:40]
   return dict(
-      meta=dict(run_meta.meta(), preset=a.preset, dtype=str(cfg.dtype), attention=cfg.attention_impl,
+      meta=dict(results_lib.run_meta(), preset=a.preset, dtype=str(cfg.dtype), attention=cfg.attention_impl,
                 batch=a.batch, prompt_len=a.prompt_len, new_tokens=a.new_tokens, calls=a.calls,
                 weight_dtype=a.weight_dtype, fuse_projections=a.fuse_projections),
       iterations=it, us_per_iteration=per_iter, device_us_per_iteration=sum(per_iter.values()),
@@ -445,7 +409,7 @@ def main():
   ap.add_argument("--before", default="", help="git revision of the decoder to compare with")
   ap.add_argument("--batch_sizes", default="1,32")
   ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds of the bound table")
-  ap.add_argument("--preset", default="", choices=["", *decode_throughput.PRESETS],
+  ap.add_argument("--preset", default="", choices=["", *programs.SHAPES],
                   help="random weights at this shape instead of the workdir's models (AR only)")
   ap.add_argument("--batch", type=int, default=1, help="--preset: rows")
   ap.add_argument("--prompt_len", type=int, default=2200, help="--preset: prompt tokens")
@@ -521,7 +485,7 @@ def workdir_main(a):
           slots = config.task.prompt_len + dc.max_new_tokens
           mcd = sampler.model_for_decoding(mc, dc)
           tokens = sum(len(x) for x in sampler.output_ids(np.asarray(out["tokens"]), np.asarray(out["eos_pos"])))
-          loop, n = decode_throughput.window_loop(mcd, params, batch, slots, bs, head=True)
+          loop, n = programs.window_loop(mcd, params, batch, slots, bs, head=True)
           calls[(label, batch)] = dict(iterations=it, tokens=tokens, n=n, call=lambda fn=fn, args=args: fn(*args),
                                        loop=loop, prefill=prefill_call(mcd, params, toks, lens, slots))
       results.append((label, batch, cols))

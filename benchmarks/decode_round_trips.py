@@ -5,7 +5,7 @@
 For each decoder (AR, block diffusion B = 32 with either K/V write, speculative with its default
 verification schedule and with `verify_every` 0; greedy, sampled and top-k routes) it compiles the
 decoder for a tiny-width model (the loop structure does not depend on the width) and reads the
-optimised HLO (`dgr2_jax.decode.hlo_loops`): the loops whose trip count is data dependent (each
+optimised HLO (`dgr2_jax.aot.hlo`): the loops whose trip count is data dependent (each
 sends its predicate to the host per iteration on a GPU), the conditionals executed per iteration
 of the decode loop, and the host predicates per decode step (per loop iteration / the steps an
 iteration runs; a speculative decoder's steps are its drafter steps). `--before=REV` counts the
@@ -27,7 +27,8 @@ import tempfile
 import jax
 import numpy as np
 
-from dgr2_jax.decode import hlo_loops, sampler, speculative
+from dgr2_jax.aot import hlo
+from dgr2_jax.decode import sampler, speculative
 from dgr2_jax.model import qwen3
 from dgr2_jax.model.config import Qwen3Config
 
@@ -48,11 +49,11 @@ def load_rev(rev: str, name: str, alias: str):
 
 
 def count(fn, args, steps_per_iteration: int):
-  hlo = fn.lower(*args).compile().as_text()
-  loops = hlo_loops.loops(hlo)
+  text = fn.lower(*args).compile().as_text()
+  loops = hlo.loops(text)
   unknown = [l for l in loops if l.trip_count is None]
   outer = max(unknown, key=lambda l: l.dots)   # the decode loop: the one running the forward
-  per_iter = hlo_loops.host_predicates(hlo, outer)
+  per_iter = hlo.host_predicates(text, outer)
   return dict(unknown=len(unknown), conds=outer.conditionals, per_iter=per_iter,
               per_step=per_iter / steps_per_iteration)
 

@@ -40,7 +40,7 @@ window cost: one forward of a 32- and a 64-slot window against the full KV cache
 figures (request_wall_s = request_prefill_s + request_decode_s, request_tokens_per_s,
 request_decode_tokens_per_s, request_speedup) and the decode-only and batch ones (decode_tokens_per_s,
 speedup, tokens_per_s, wall_s, prefill_s), nfe_per_seq, and the run's device, jax_version,
-git_commit and the rest of `run_meta.meta()` (benchmarks/run_meta.py), and how the params were
+git_commit and the rest of `dgr2_jax.results.run_meta()`, and how the params were
 prepared for decoding (`qwen3.decode_params`): weight_dtype (`--weight_dtype`, 'compute' = the compute
 dtype) and fuse_projections (`--fuse_projections`: q/k/v and gate/up one matmul each, or separate).
 """
@@ -60,14 +60,14 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dgr2_jax import results as results_lib  # noqa: E402
+from dgr2_jax.aot import programs  # noqa: E402
 from dgr2_jax.decode import sampler  # noqa: E402
 from dgr2_jax.decode import schedule as schedule_lib  # noqa: E402
 from dgr2_jax.decode import xla_flags  # noqa: E402
 from dgr2_jax.model import masks, qwen3  # noqa: E402
 from dgr2_jax.model.config import Qwen3Config  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import run_meta  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", "", "HF or dgr2_jax model directory; empty = --preset random model")
@@ -93,16 +93,7 @@ flags.DEFINE_string("weight_dtype", "", "decode.weight_dtype: '' = the compute d
 flags.DEFINE_bool("fuse_projections", True, "fused q/k/v and gate/up matmuls (qwen3.decode_params); False = "
                   "the separate projections, for an A/B")
 
-PRESETS = {
-    "tiny": dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),
-    "small": dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=4, head_dim=32),
-    "qwen3_0p6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3_8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
-}
+PRESETS = programs.SHAPES   # model shapes by name (--preset)
 HBM_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L4": 300.0}
 
 
@@ -161,35 +152,12 @@ def read_weight_bytes(cfg) -> int:
   return total - (0 if cfg.tie_word_embeddings else int(np.prod(emb.shape)) * jnp.dtype(emb.dtype).itemsize)
 
 
-def window_loop(cfg, params, batch: int, slots: int, width: int, head: bool = False, n: int = 50):
-  """A compiled call running `n` forwards of a `width`-slot window against a `slots` KV cache in
-  one `fori_loop` (each writing the cache the next one reads; `head`: the window's positions
-  projected to the vocabulary too, as a decoding step does). Returns (call, n)."""
-  p = slots - 64
-  plen = jnp.full((batch,), p, jnp.int32)
-  pos = masks.left_pad_positions(plen, p, slots)
-  c = cfg.as_block_diffusion(1) if width == 1 else cfg.as_block_diffusion(min(width, 32), cfg.mask_token_id)
-  toks = jnp.zeros((batch, width), jnp.int32)
-
-  @jax.jit
-  def loop(cache):
-    def body(i, carry):
-      cache, acc = carry
-      h, cache = sampler.window_forward(c, params, toks + i % 2, p, cache, plen, p, pos, return_hidden=True)
-      return cache, acc + (qwen3.lm_head(c, params, h).max() if head else h[0, 0, 0])
-    return jax.lax.fori_loop(0, n, body, (cache, jnp.float32(0)))
-  cache = qwen3.init_cache(c, batch, slots)
-  call = lambda: loop(cache)
-  jax.block_until_ready(call())
-  return call, n
-
-
 def window_costs(cfg, params, batch: int, slots: int, widths=(1, 32, 64), head: bool = False) -> dict:
   """Seconds of one forward of a W-slot window against a `slots` KV cache, for W in `widths`
-  (`window_loop`, best of 3 calls)."""
+  (`programs.window_loop`, best of 3 calls)."""
   out = {}
   for w in widths:
-    call, n = window_loop(cfg, params, batch, slots, w, head)
+    call, n = programs.window_loop(cfg, params, batch, slots, w, head)
     best = float("inf")
     for _ in range(3):
       t0 = time.perf_counter()
@@ -201,8 +169,8 @@ def window_costs(cfg, params, batch: int, slots: int, widths=(1, 32, 64), head: 
 
 def rows_meta() -> dict:
   """What every JSON row carries: where and with what it ran (device, jax_version, git_commit, ...:
-  `run_meta.meta()`) and how the params were prepared."""
-  return dict(run_meta.meta(), platform=platform.machine(), weight_dtype=FLAGS.weight_dtype or "compute",
+  `dgr2_jax.results.run_meta()`) and how the params were prepared."""
+  return dict(results_lib.run_meta(), platform=platform.machine(), weight_dtype=FLAGS.weight_dtype or "compute",
               fuse_projections=FLAGS.fuse_projections)
 
 

@@ -28,14 +28,13 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from dgr2_jax import results as results_lib  # noqa: E402
 from dgr2_jax.model import attention, flash_pallas, masks, streams  # noqa: E402
-import run_meta  # noqa: E402
 
 BLOCK = 32
 
@@ -149,7 +148,7 @@ def main():
     tilings[f"pallas#{i + 1}"] = flash_pallas.Blocks(**dict(zip(names, (int(v) for v in t.split(",")))))
   impls += [x for x in tilings if x != "pallas"]
   lay = layouts(a.prompt, a.response, a.batch)
-  result = {"meta": dict(run_meta.meta(), shape=dict(zip(("batch", "heads", "kv_heads", "head_dim"), shape)),
+  result = {"meta": dict(results_lib.run_meta(), shape=dict(zip(("batch", "heads", "kv_heads", "head_dim"), shape)),
                          dtype="bfloat16", impls=impls, blocks={k: str(v) for k, v in tilings.items()},
                          interpret=not gpu), "masks": {}}
   for name in a.masks.split(","):

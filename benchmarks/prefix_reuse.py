@@ -8,7 +8,7 @@ request without and with it, and the wall time of both, side by side.
 Prompts: the re-ranking prompts of `--batch` users (dgr2_jax/task/prompts.py, every variant for
 the counts, `--variant` for the timing), rendered with the demo BPE unless `--tokenizer` is given.
 Real data: Amazon Beauty metadata and purchase sequences from ../shared/data/amazon_beauty, with
-placeholder SIDs and random candidates (benchmarks/task_stats.py's loader); the prompt's shape is
+placeholder SIDs and random candidates (`data.beauty.load_with_placeholder_sids`); the prompt's shape is
 what matters here, not the ranking. Synthetic: dgr2_jax.task.synthetic, the demo's catalogue.
 
 Counts, per request of one batch (`prefix.prefill_counts`): slots the prefill runs through the
@@ -52,9 +52,8 @@ BEAUTY = os.path.join(REPO, "..", "shared", "data", "amazon_beauty")
 
 def load_data(synthetic_only: bool) -> tuple[dict, str]:
   if not synthetic_only and os.path.exists(os.path.join(BEAUTY, "items.jsonl")):
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    import task_stats  # the real-metadata loader (placeholder SIDs)
-    return task_stats.load_beauty(BEAUTY), "real Beauty metadata (placeholder SIDs, random candidates)"
+    from dgr2_jax.data import beauty   # the real-metadata loader (placeholder SIDs)
+    return beauty.load_with_placeholder_sids(BEAUTY), "real Beauty metadata (placeholder SIDs, random candidates)"
   return synthetic.make(n_items=400, n_users=300), "synthetic (the demo's catalogue)"
 
 

@@ -34,13 +34,15 @@
 # Environment: OUT (results), GIT_COMMIT (the device's copy has no .git), BUDGET (seconds), PARTS
 # (names to run, default all), SCHEDULE (a recorded schedule.json; default
 # benchmarks/results/schedule_demo.json), PREFIX (of the output files, e.g. h100_), SMOKE=1 (tiny
-# shapes and prompts: the script's own check on a CPU, minutes, no figures worth keeping).
+# shapes and prompts: the script's own check on a CPU, minutes, no figures worth keeping), PYTHON (the
+# interpreter of every sub-run and helper, default python3 on PATH; recorded commands say python3).
 # Writes $OUT/{decode,kernels,train,profile}.json (benchmarks/gpu_tables.py's format: the device,
 # JAX version, commit and every sub-run's own JSON, status and, if it failed, its last lines) after
 # every sub-run, and $OUT/log.txt. Copy the JSON to benchmarks/results/ and run
 # `python benchmarks/gpu_tables.py` to regenerate the docs' tables.
 # (A device without ml_collections: put its wheel in .whl/ and carry .whl.)
 set -uo pipefail
+PYTHON=${PYTHON:-python3}
 OUT=${OUT:-/tmp/dgr2_bench}; BUDGET=${BUDGET:-470}; PARTS=${PARTS:-}; PREFIX=${PREFIX:-}
 SCHEDULE=${SCHEDULE:-benchmarks/results/schedule_demo.json}
 mkdir -p "$OUT"; LOG=$OUT/log.txt; : > "$LOG"
@@ -49,7 +51,7 @@ T0=$SECONDS; SKIPPED=""; DONE=""
 log() { echo "[$((SECONDS - T0))s] $*" | tee -a "$LOG"; }
 
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
@@ -65,11 +67,11 @@ log "commit ${GIT_COMMIT:-unknown}, budget ${BUDGET}s, parts ${PARTS:-all}"
 # The +/- form of the command types keeps XLA's other defaults; the explicit list is the fallback
 # for an XLA that would not take it.
 probe() {
-  XLA_FLAGS="$BASE_FLAGS $1" timeout 150 python3 benchmarks/run_meta.py --out "$PARTS_DIR/env.json" >> "$LOG" 2>&1
+  XLA_FLAGS="$BASE_FLAGS $1" timeout 150 "$PYTHON" benchmarks/run_meta.py --out "$PARTS_DIR/env.json" >> "$LOG" 2>&1
 }
 EXPLICIT="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 CB=0
-for CB_FLAGS in "$(python3 -m dgr2_jax.decode.xla_flags 1)" "$EXPLICIT --xla_gpu_graph_min_graph_size=1"; do
+for CB_FLAGS in "$("$PYTHON" -m dgr2_jax.decode.xla_flags 1)" "$EXPLICIT --xla_gpu_graph_min_graph_size=1"; do
   if probe "$CB_FLAGS"; then
     CB=1; log "command buffers: '$CB_FLAGS' ran the probe's while loop and matched NumPy"; break
   fi
@@ -99,8 +101,9 @@ run() {
   XLA_FLAGS="$flags" DGR2_COMMAND_BUFFERS=$cbenv timeout -k 10 "$t" "${args[@]}" > "$PARTS_DIR/$name.log" 2>&1
   local rc=$?
   grep -v -e Warning -e libtpu -e "^ *warnings.warn" "$PARTS_DIR/$name.log" | tail -n 80 >> "$LOG"
-  python3 - "$PARTS_DIR/$name.status" "$name" "$part" "$label" "$rc" "$((SECONDS - s))" "$t" "$cbenv" "$flags" "$*" \
-      <<'EOF'
+  local shown="${*/#"$PYTHON"/python3}"   # the command as the docs' tables show it, whatever PYTHON is
+  "$PYTHON" - "$PARTS_DIR/$name.status" "$name" "$part" "$label" "$rc" "$((SECONDS - s))" "$t" "$cbenv" "$flags" \
+      "$shown" <<'EOF'
 import json, sys
 path, name, part, label, rc, secs, limit, cb, flags, cmd = sys.argv[1:]
 cmd = f"DGR2_COMMAND_BUFFERS={cb} " + " ".join(w for w in cmd.split() if w != "--json_out=@JSON@")
@@ -110,7 +113,7 @@ json.dump(dict(name=name, part=part, label=label, rc=int(rc), seconds=int(secs),
 EOF
   log "$name: exit status $rc after $((SECONDS - s))s$([ $rc = 124 ] && echo ' (timed out)')"
   DONE="$DONE $name"
-  python3 benchmarks/gpu_tables.py collect --parts="$PARTS_DIR" --out="$OUT" --prefix="$PREFIX" > /dev/null \
+  "$PYTHON" benchmarks/gpu_tables.py collect --parts="$PARTS_DIR" --out="$OUT" --prefix="$PREFIX" > /dev/null \
     || log "collect failed"
 }
 
@@ -120,7 +123,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
   M8=tiny; M06=tiny; PL=64; NEW=32; ASHAPE=tiny; RESP=64; T06=tiny; T17=tiny; FLASH_SMALL=(--small); B8=qwen3_0p6b
 fi
 DT=benchmarks/decode_throughput.py
-DEC=(python3 $DT --dtype=bfloat16 --attention=auto --prompt_len=$PL --json_out=@JSON@)
+DEC=("$PYTHON" $DT --dtype=bfloat16 --attention=auto --prompt_len=$PL --json_out=@JSON@)
 FUSED=(); UNFUSED=(); FP8=()
 if has_flag $DT fuse_projections; then FUSED=(--fuse_projections=true); UNFUSED=(--fuse_projections=false)
 else log "decode_throughput.py has no --fuse_projections: the fused/unfused rows run its default"; fi
@@ -147,7 +150,7 @@ else
   log "decode_throughput.py has no --weight_dtype: fp8_b1 not run"
 fi
 TS=benchmarks/train_step.py
-TRAIN=(python3 $TS --scan=true)
+TRAIN=("$PYTHON" $TS --scan=true)
 if has_flag $TS json_out; then TRAIN+=(--json_out=@JSON@); fi
 if has_flag $TS row_timeout; then TRAIN+=(--row_timeout=100); fi   # one stuck row (one process each) ends alone
 train() {  # NAME POLICY ATTENTION LABEL [extra train_step args]
@@ -158,22 +161,22 @@ train() {  # NAME POLICY ATTENTION LABEL [extra train_step args]
 train train_0p6b_nothing_saveable nothing_saveable auto "train steps at the 0.6B shape, remat nothing_saveable, attention auto (batch 8 x 2,048, bf16, scanned)" --losses=sft,cft,opd
 if [ -f benchmarks/flash_check.py ]; then
   run flash_check kernels 30 90 0 "Pallas block-sparse flash attention against 'xla'" \
-    python3 benchmarks/flash_check.py --json_out=@JSON@ "${FLASH_SMALL[@]}"
+    "$PYTHON" benchmarks/flash_check.py --json_out=@JSON@ "${FLASH_SMALL[@]}"
 else
   log "no benchmarks/flash_check.py: flash_check not run"
 fi
 train train_0p6b_pallas nothing_saveable pallas "train steps at the 0.6B shape, remat nothing_saveable, Pallas block-sparse flash attention" --losses=sft,cft,opd
 run profile profile 50 120 1 "8B, batch 1, AR: 16 steps under the profiler" \
-  python3 benchmarks/decode_profile.py --preset=$M8 --dtype=bfloat16 --attention=auto --batch=1 \
+  "$PYTHON" benchmarks/decode_profile.py --preset=$M8 --dtype=bfloat16 --attention=auto --batch=1 \
   --prompt_len=$PL --new_tokens=16 --calls=2 --json_out=@JSON@
 run bytes_8b kernels 40 150 1 "what the compiled 8B AR step reads on this device (bf16 and float8 weights: float8 reads 1.0 = the convert folded into the matmul)" \
-  python3 benchmarks/decode_bytes.py --shapes=$B8 --programs=ar --batch_sizes=1 --xla_cost=false \
+  "$PYTHON" benchmarks/decode_bytes.py --shapes=$B8 --programs=ar --batch_sizes=1 --xla_cost=false \
   --hlo_dir=/tmp/dgr2_hlo --check --json_out=@JSON@
 train train_0p6b_dots_saveable dots_saveable auto "train steps at the 0.6B shape, remat dots_saveable, attention auto" --losses=sft,cft,opd
 run replay_b8 decode 70 160 1 "8B, batch 8: $RL" \
   "${DEC[@]}" --preset=$M8 --batch_sizes=8 --repeats=2 "${REPLAY[@]}" "${FUSED[@]}"
 run attn_kernel kernels 30 90 1 "decode attention, one layer at the 8B shape: split-key kernel, cuDNN, 'xla'" \
-  python3 benchmarks/decode_attention.py --shape=$ASHAPE --batch_sizes=1,8 --widths=1,32,64 \
+  "$PYTHON" benchmarks/decode_attention.py --shape=$ASHAPE --batch_sizes=1,8 --widths=1,32,64 \
   --routes=splitkey,cudnn,xla --prompt_len=$PL --response_len=$RESP --repeats=20 --json_out=@JSON@
 if has_flag $TS segment_groups; then
   train train_opd_one_group nothing_saveable auto "OPD at the 0.6B shape with every replay segment in one cuDNN call (before)" --losses=opd --segment_groups=one
@@ -192,7 +195,7 @@ run ar_b1_unfused_cb decode 60 130 1 "8B, batch 1, AR: unfused, decode loop in C
   "${DEC[@]}" --preset=$M8 --batch_sizes=1 --max_new_tokens=$NEW --commits= --repeats=3 "${UNFUSED[@]}"
 if [ -f benchmarks/decode_memory.py ]; then
   run mem_8b kernels 30 120 0 "device memory of one 8B decode call at batch 1 (compiled for this device, nothing allocated): the checkpoint's f32 tree handed to the decoder, or the tree prepared on the host" \
-    python3 benchmarks/decode_memory.py --shape=$B8 --batch_sizes=1 --json_out=@JSON@
+    "$PYTHON" benchmarks/decode_memory.py --shape=$B8 --batch_sizes=1 --json_out=@JSON@
 fi
 
 log "done:${DONE:- nothing}"

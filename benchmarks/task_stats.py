@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
-import json
 import os
 import sys
 import tempfile
@@ -28,30 +26,9 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from dgr2_jax.data import beauty  # noqa: E402
 from dgr2_jax.task import answer, config, metrics, prompts, synthetic, traces  # noqa: E402
 from dgr2_jax.task import tokenizer as tok_lib  # noqa: E402
-
-
-def load_beauty(beauty_dir: str) -> dict:
-  items = []
-  with open(os.path.join(beauty_dir, "items.jsonl")) as f:
-    for k, line in enumerate(f):
-      r = json.loads(line)
-      if r["item_id"] != k + 1:
-        raise ValueError(f"{beauty_dir}/items.jsonl:{k + 1}: item_id {r['item_id']} out of order")
-      items.append(dict(item=k, title=r["title"] or "", brand=r["brand"],
-                        categories=r["categories"] or [], price=r["price"]))
-  seqs = collections.defaultdict(list)
-  with gzip.open(os.path.join(beauty_dir, "interactions.tsv.gz"), "rt") as f:
-    next(f)
-    for line in f:
-      u, i, _, _ = line.split("\t")
-      seqs[int(u)].append(int(i) - 1)
-  sequences = [seqs[u] for u in sorted(seqs)]
-  # Placeholder SIDs: a unique 4-level code from the item index (NOT semantic).
-  sids = [f"<a_{i % 256}><b_{(i // 256) % 256}><c_{i // 65536}><d_0>" for i in range(len(items))]
-  tokens = sorted({t for s in sids for t in ["<" + x for x in s.split("<") if x]})
-  return dict(items=items, sids=sids, sid_tokens=tokens, sequences=sequences)
 
 
 def standin_candidates(sequences, n_items: int, cut: int, n: int = 10) -> np.ndarray:
@@ -108,7 +85,7 @@ def main():
     d = traces_stage.load_task_data(args.workdir)
     source = f"workdir {args.workdir} (real SIDs, project retriever)"
   elif not args.synthetic and os.path.exists(os.path.join(args.beauty_dir, "items.jsonl")):
-    d = load_beauty(args.beauty_dir)
+    d = beauty.load_with_placeholder_sids(args.beauty_dir)
     d["candidates"] = {s: standin_candidates(d["sequences"], len(d["items"]), c)
                        for s, c in traces.SPLIT_CUT.items()}
     source = "real Beauty metadata, PLACEHOLDER SIDs, STAND-IN retriever"

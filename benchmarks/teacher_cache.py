@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from dgr2_jax.aot import hlo  # noqa: E402
 from dgr2_jax.train import opd  # noqa: E402
 
 QWEN3_V = 151_936 + 1_024 + 1
@@ -103,7 +104,7 @@ def qwen3_cost(rows: int, r: int, p: int):
     t_cache = time.perf_counter() - t0
     fn = jax.jit(jax.value_and_grad(lambda prm, bt, tp: opd.opd_loss(
         bcfg, prm, bt, None, tp, block_size=32, teacher_cache=mode, teacher_config=cfg), has_aux=True))
-    temp = fn.lower(params, b, teacher).compile().memory_analysis().temp_size_in_bytes
+    temp = hlo.memory(fn.lower(params, b, teacher).compile()).temporaries
     jax.block_until_ready(fn(params, b, teacher))
     t0 = time.perf_counter()
     jax.block_until_ready(fn(params, b, teacher))

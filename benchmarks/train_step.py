@@ -53,7 +53,6 @@ import argparse
 import functools
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -66,6 +65,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from dgr2_jax import results  # noqa: E402
+from dgr2_jax.aot import hlo  # noqa: E402
 from dgr2_jax.model import attention, masks, qwen3, streams  # noqa: E402
 from dgr2_jax.model.config import Qwen3Config  # noqa: E402
 from dgr2_jax.train import config as train_config_lib  # noqa: E402
@@ -161,27 +162,18 @@ def model_config(pre: dict, dtype: str, policy: str, attention: str, scan: bool)
                      scan_layers=scan, mask_token_id=pre["model"]["vocab_size"] - 1)
 
 
-def dot_operand_dtypes(hlo_text: str) -> dict:
-  """{operand dtypes: count} over the dot_general ops of a lowered StableHLO module."""
-  out: dict = {}
-  for m in re.finditer(r"stablehlo\.dot_general[^\n]*?:\s*\(tensor<([^>]*)>,\s*tensor<([^>]*)>\)", hlo_text):
-    key = "x".join(sorted({t.split("x")[-1] for t in m.groups()}))
-    out[key] = out.get(key, 0) + 1
-  return out
-
-
 def float_dtypes(tree) -> list:
   return sorted({str(x.dtype) for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)})
 
 
 def xla_memory(compiled) -> dict:
-  """XLA's memory plan of a compiled step, GiB (argument + output + temp - alias = planned)."""
-  ma = compiled.memory_analysis()
-  if ma is None:
+  """XLA's memory plan of a compiled step, GiB (`hlo.memory`: argument + output + temp - alias = planned)."""
+  m = hlo.memory(compiled)
+  if m is None:
     return {}
-  parts = {k: getattr(ma, f"{k}_size_in_bytes") / GIB for k in ("argument", "output", "temp", "alias")}
-  row = {f"xla_{k}_gib": v for k, v in parts.items()}
-  row["xla_planned_gib"] = parts["argument"] + parts["output"] + parts["temp"] - parts["alias"]
+  parts = dict(argument=m.arguments, output=m.outputs, temp=m.temporaries, alias=m.aliased)
+  row = {f"xla_{k}_gib": v / GIB for k, v in parts.items()}
+  row["xla_planned_gib"] = m.peak / GIB
   return row
 
 
@@ -234,7 +226,7 @@ def bench_one(name, mc, args, mesh, peak) -> dict:
              compute_dtype=mc.dtype, master_dtypes=float_dtypes(c["state_shapes"]["params"]),
              opt_state_dtypes=float_dtypes(c["state_shapes"]["opt_state"]),
              teacher_dtypes=float_dtypes(c["teacher_shapes"]) if frozen else None,
-             dot_operand_dtypes=dot_operand_dtypes(c["text"]), attention=mc.attention_impl,
+             dot_operand_dtypes=hlo.dot_operand_dtypes(c["text"]), attention=mc.attention_impl,
              segment_groups=args.segment_groups, compile_s=c["compile_s"], **xla_memory(compiled))
   row["plan_gib"] = dry_run_plan_gib(name, mc, args)
   if args.compile_only:
@@ -277,24 +269,6 @@ def measured_peak(row: dict) -> dict:
   if out["peak_gib"]:
     out["plan_over_peak"] = row["plan_gib"] / out["peak_gib"]
   return out
-
-
-def git_commit() -> str:
-  """$GIT_COMMIT or $DGR2_GIT_COMMIT (a device's copy of the tree has no .git), else git's short
-  HEAD (+dirty with uncommitted changes), else 'unknown'."""
-  env = os.environ.get("GIT_COMMIT") or os.environ.get("DGR2_GIT_COMMIT")
-  if env:
-    return env
-  try:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=10)
-    if head.returncode == 0:
-      dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-      return head.stdout.strip() + ("+dirty" if dirty else "")
-  except (OSError, subprocess.SubprocessError):
-    pass
-  return "unknown"
 
 
 def parse_args(argv):
@@ -393,7 +367,7 @@ def main(argv=None):
   if args.segment_groups == "one":
     attention._segment_groups = lambda s, most: 1  # pylint: disable=protected-access
   isolate = args.isolate == "true" or (args.isolate == "auto" and len(todo) > 1 and not args.compile_only)
-  env = dict(git_commit=git_commit(), jax_version=jax.__version__)
+  env = dict(git_commit=results.git_commit(), jax_version=jax.__version__)
   if isolate:  # this process never starts a backend: the device stays free for the rows' processes
     rows = [run_isolated(argv, c, args.row_timeout) for c in todo]
     env["device"] = next((r["device"] for r in rows if "device" in r), "unknown")

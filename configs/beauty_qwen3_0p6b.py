@@ -34,7 +34,11 @@ def paper_config(arg: str, *, fsdp: int, batch_size: int, grad_accum: int, on_po
   c.model.dtype = "bfloat16"
   c.model.param_dtype = "bfloat16"
   c.model.remat = True
-  c.model.attention_impl = "auto"   # GPUs: split-key decode kernel + cuDNN; elsewhere blockwise
+  # One scanned layer over the stacked params: rematerialisation then holds one layer's activations
+  # at a time (an unrolled stack keeps every layer's recomputed set: XLA runs them all ahead of the
+  # backward), and the step compiles in the same time at any depth (docs/training.md).
+  c.model.scan_layers = True
+  c.model.attention_impl = "auto"   # GPUs: split-key decode kernel + cuDNN; TPUs: splash / Pallas TPU; else blockwise
   c.train.param_dtype = "float32"
   c.train.batch_size = batch_size
   c.train.grad_accum_steps = grad_accum

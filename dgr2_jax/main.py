@@ -11,12 +11,16 @@ does not break the others; a stage asked for alone first runs the stages it read
 has not built. `validate` checks the config before any work and names the field of the first
 problem it finds; each config section is checked by the module that owns it, main only
 dispatches. `--config.dry_run=True` prints the mesh and per-device memory plan (dgr2_jax/train/dry_run.py)
-and exits without allocating anything. Library logs (Orbax, TFDS) are kept at WARNING;
-`--verbosity=0` shows their INFO lines too.
+and exits without allocating anything; with `--config.hardware.compile_for=TARGET` (h100x8, v5p-16, ...)
+it also compiles every program of the run for that target, on no accelerator (dgr2_jax/aot/compile_run.py),
+and exits 1 when one does not fit. Library logs (Orbax, TFDS, JAX) are kept at WARNING and JAX
+probes no accelerator the machine lacks (dgr2_jax/console.py); `--verbosity=0` shows their INFO lines too.
 
 Every mistake is one line on stderr naming what to fix, no traceback: exit status 2 for the
 command line (a flag, a field, a value, a path, the config file), 1 for an input file that cannot
-be read (`fileio.InputError`) or a stage whose inputs are missing.
+be read (`fileio.InputError`) or a stage whose inputs are missing. A training stage that gets
+SIGTERM saves the step in flight and exits with 75, "requeue me" (dgr2_jax/train/preemption.py):
+the same command resumes it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from __future__ import annotations
 import os
 import sys
 
+# First: imports JAX with the CUDA compiler plugin's native notices dropped (dgr2_jax/console.py).
+from dgr2_jax.console import quiet as quiet_logs  # benchmarks/recipe_figures.py calls main.quiet_logs too
+from dgr2_jax.console import start_backends
+from dgr2_jax.aot.targets import DoesNotFit
 from dgr2_jax.fileio import InputError
 # The allowed values live with the code that uses them (re-exported for the tests that compare).
 from dgr2_jax.decode.config import KV_WRITES  # noqa: F401
@@ -95,6 +103,9 @@ def run(config, workdir: str | None):
   (`pipeline.missing_prerequisites`: `--config.stage=sids` in a fresh workdir builds `data` first).
   """
   validate(config, workdir)
+  if config.get("dry_run", False) and config.get("hardware", {}).get("compile_for", ""):
+    from dgr2_jax.aot import compile_run   # every program compiled for the target (the aot extra)
+    return compile_run.run(config, workdir)
   if config.get("dry_run", False):
     text = dry_run.format_plan(dry_run.plan(config))
     print(text, flush=True)
@@ -134,6 +145,7 @@ def start_processes() -> None:
     multihost.initialize()
   except ValueError as e:  # inconsistent launch variables: one line
     fail(e, USAGE)
+  start_backends()   # after jax.distributed.initialize, the CUDA compiler plugin's notices dropped
   multihost.quiet_other_processes()
 
 
@@ -148,12 +160,12 @@ def configure_xla() -> None:
 
 
 def main(argv):
+  from absl import flags
   configure_xla()    # before the first JAX call
+  quiet_logs(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)   # before JAX starts a backend
   start_processes()  # before any other JAX call
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}: every setting is a --config.<field>=value flag", USAGE)
-  from absl import flags
-  quiet_logs(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)
   config = _CONFIG.value
   if config is None:
     fail("--config is required (e.g. --config=configs/demo.py)", USAGE)
@@ -164,6 +176,8 @@ def main(argv):
   try:  # ... and so is an input file that cannot be read, or a stage whose inputs are not built
     run(config, _WORKDIR.value)
   except (InputError, FileNotFoundError, NotImplementedError) as e:
+    fail(e, RUNTIME)
+  except DoesNotFit as e:   # a program compiled for hardware.compile_for that does not fit its devices
     fail(e, RUNTIME)
   except ValueError as e:
     # A value only a stage can check names its field (`config.x: ...`), as does a dry run's plan that
@@ -215,30 +229,6 @@ def parse_error(e: BaseException, argv) -> str:
     last = [line for line in text.strip().splitlines() if line.strip()][-1]
     return f"--config={config_arg(argv)}: {last.split(': ', 1)[-1]}"
   return text.splitlines()[0] if text else type(e).__name__
-
-
-class _QuietLibraries:
-  """Drops the libraries' routine notices a user cannot act on (kept at --verbosity=0)."""
-  NOISE = ("ArrayMetadata persistence is disabled",)
-
-  def filter(self, record) -> bool:
-    return not any(n in record.getMessage() for n in self.NOISE)
-
-
-def quiet_logs(verbosity: int) -> None:
-  """Library logs (Orbax, TFDS, JAX) at WARNING unless `--verbosity` >= 0 asks for INFO; our own
-  messages are prints and progress bars, so a newcomer sees those."""
-  import logging as py_logging
-  from absl import logging
-  if verbosity < 0:
-    logging.set_verbosity(logging.WARNING)
-    logging.get_absl_logger().addFilter(_QuietLibraries())
-    try:
-      import tensorflow_datasets as tfds
-      tfds.disable_progress_bar()
-    except ImportError:
-      pass
-    py_logging.getLogger("jax").setLevel(py_logging.WARNING)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ plus the AR row of each batch size, with recall@1, valid_rate, tokens_per_s, nfe
 accepted per verifier pass; the PNG plots Recall@1 against speedup. Every JSON carries the machine,
 library versions and the
 config hash, so a table is never separated from what produced it. Files are written atomically.
+A benchmark's JSON says where it ran with `run_meta()` (device, versions, `git_commit()`, XLA flags).
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import subprocess
 from typing import Sequence
 
 from dgr2_jax import fileio
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The ladder's diagnostics (task/diagnostics.py; '-' where a row has none, e.g. the floor's).
 DIAGNOSTIC_COLUMNS = ("override_rate", "override_precision", "top1_precision_on_overrides",
@@ -32,9 +36,35 @@ FRONTIER_COLUMNS = ("decoder", "batch_size", "block_size", "threshold", "recall@
                     "tokens_per_s", "nfe_per_seq", "speedup", "nfe_speedup", "accepted_per_pass", "n")
 
 
+# The vector instruction sets XLA:CPU's code generation and its libraries' kernels choose between,
+# widest first: the same program compiles to other instructions (and other rounding) on each.
+ISA_FLAGS = ("avx512_bf16", "avx512_vnni", "avx512f", "avx2", "fma", "avx", "sse4_2")
+
+
+def cpu_info() -> dict:
+  """{cpu_model, cpu_isa (the widest of ISA_FLAGS the CPU has), cpu_flags (those it has), xla_flags}:
+  what decides the bits a CPU run computes (docs/results.md, "Runs on other machines")."""
+  model, flags = platform.processor() or platform.machine(), set()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+          model = value.strip()
+        elif key.strip() == "flags":
+          flags = set(value.split())
+        if flags and model:
+          break
+  except OSError:
+    pass
+  have = [f for f in ISA_FLAGS if f in flags]
+  return {"cpu_model": model, "cpu_isa": have[0] if have else "unknown", "cpu_flags": have,
+          "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
 def machine_info() -> dict:
   info = {"platform": platform.platform(), "python": platform.python_version(),
-          "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
+          "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), **cpu_info()}
   try:
     import psutil
     info["memory_gb"] = round(psutil.virtual_memory().total / 2**30, 1)
@@ -48,6 +78,40 @@ def machine_info() -> dict:
   except Exception as e:  # pylint: disable=broad-except  (no backend: still write the table)
     info["backend_error"] = str(e)
   return info
+
+
+def git_commit() -> str:
+  """The commit a result comes from: $GIT_COMMIT or $DGR2_GIT_COMMIT when set (a device machine
+  receives a working tree without its .git), else git's short HEAD in this repository, '+dirty'
+  with uncommitted changes to tracked files, else 'unknown'."""
+  env = os.environ.get("GIT_COMMIT") or os.environ.get("DGR2_GIT_COMMIT")
+  if env:
+    return env
+  try:
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                         timeout=20)
+    if rev.returncode != 0:
+      return "unknown"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                           text=True, timeout=20).stdout.strip()
+    return rev.stdout.strip() + ("+dirty" if dirty else "")
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+
+
+def run_meta() -> dict:
+  """{device, device_count, backend, jax_version, jaxlib_version, git_commit, xla_flags, command_buffers}
+  of this process: where a benchmark ran (the key names the decode benchmarks' rows use; starts
+  JAX's backend)."""
+  import jax
+  import jaxlib
+  from dgr2_jax.decode import xla_flags
+  dev, flags = jax.devices()[0], os.environ.get("XLA_FLAGS", "")
+  cpu = cpu_info()
+  return dict(device=dev.device_kind, device_count=jax.device_count(), backend=jax.default_backend(),
+              jax_version=jax.__version__, jaxlib_version=jaxlib.__version__, git_commit=git_commit(),
+              xla_flags=flags, command_buffers=xla_flags.command_buffers(flags), cpu_model=cpu["cpu_model"],
+              cpu_isa=cpu["cpu_isa"])
 
 
 def versions() -> dict:
@@ -90,8 +154,10 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
 
 def _header(title: str, m: dict) -> str:
   mc = m.get("machine", {})
+  cpu = f"; {mc['cpu_model']} ({mc.get('cpu_isa')}, {mc.get('cpu_count')} cores)" if mc.get("cpu_model") else ""
+  xla = f"; XLA_FLAGS `{mc['xla_flags']}`" if mc.get("xla_flags") else ""
   return (f"# {title}\n\nconfig hash `{m.get('config_hash')}`; {mc.get('backend', '?')} x"
-          f"{mc.get('device_count', '?')} ({mc.get('device_kind', '?')}), {mc.get('platform')}; "
+          f"{mc.get('device_count', '?')} ({mc.get('device_kind', '?')}), {mc.get('platform')}{cpu}{xla}; "
           f"jax {m.get('versions', {}).get('jax')}; written {m.get('written')}\n\n")
 
 

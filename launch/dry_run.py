@@ -1,6 +1,7 @@
 """Dry run from the command line: the device mesh and a per-device memory plan for a config.
 
   python launch/dry_run.py --config=configs/beauty_qwen3_8b.py
+  python launch/dry_run.py --config=configs/beauty_qwen3_8b.py --config.hardware.compile_for=h100x8
 
 The same as `python -m dgr2_jax.main --config=... --config.dry_run=True`; the planner is
 `dgr2_jax/train/dry_run.py`.
@@ -22,7 +23,12 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/
 
 def main(argv):
   del argv
-  print(dry_run.format_plan(dry_run.plan(_CONFIG.value)), flush=True)
+  config = _CONFIG.value
+  if config.hardware.get("compile_for", ""):   # every program compiled for the target too (docs/accelerators.md)
+    from dgr2_jax.aot import compile_run
+    compile_run.run(config)
+    return
+  print(dry_run.format_plan(dry_run.plan(config)), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,19 @@
 # other tasks when one fails. The workdir must be on a filesystem every node sees (resume with the
 # same number of tasks). Plan it first (no GPUs needed):
 #   python launch/dry_run.py --config=configs/beauty_qwen3_8b.py
+# PYTHON (default: python on PATH) names the interpreter, e.g. PYTHON=venv/bin/python.
+#
+# Preemption and the time limit: SLURM sends this script SIGTERM 300 s before the time limit
+# (--signal=B:TERM@300; give it at least two training steps plus one checkpoint save), and the
+# script passes it on to every task. The tasks save the same training step and exit with 75
+# ("requeue me"); the script then requeues the job (--requeue, `scontrol requeue`), whose next run
+# is this same command and resumes from that step. A preemption by SLURM signals the tasks itself.
+# The log is appended to across requeues (--open-mode=append). See docs/multihost.md.
 #SBATCH --job-name=dgr2
 #SBATCH --output=dgr2-%j.out
+#SBATCH --open-mode=append
+#SBATCH --requeue
+#SBATCH --signal=B:TERM@300
 set -euo pipefail
 CONFIG=${1:?usage: slurm_multi_gpu.sh CONFIG WORKDIR [--config.x=y ...]}
 WORKDIR=${2:?usage: slurm_multi_gpu.sh CONFIG WORKDIR [--config.x=y ...]}
@@ -26,5 +37,21 @@ shift 2
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
-srun --kill-on-bad-exit=1 python -m dgr2_jax.main --config="$CONFIG" --workdir="$WORKDIR" \
-    --config.hardware.num_devices=0 "$@"
+srun --kill-on-bad-exit=1 "${PYTHON:-python}" -m dgr2_jax.main --config="$CONFIG" --workdir="$WORKDIR" \
+    --config.hardware.num_devices=0 "$@" &
+STEP=$!
+TERMED=0
+trap 'TERMED=1; kill -TERM "$STEP" 2>/dev/null' TERM  # srun passes it on to every task
+status=0
+while :; do  # the trap wakes `wait` before srun has ended: wait again (bash >= 5.1 for -p)
+  unset ended
+  wait -n -p ended "$STEP" || status=$?
+  [ -n "${ended:-}" ] && break
+  status=0
+done
+# 75: every task saved its step. Told to stop and not finished otherwise (a task killed once one
+# exited): the latest checkpoint is complete all the same (Orbax renames a save into place).
+if [ "$status" -eq 75 ] || { [ "$TERMED" -eq 1 ] && [ "$status" -ne 0 ]; }; then
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"

@@ -1,23 +1,20 @@
 """Decode numerics and bytes: the working dtype (bf16 decoding agrees with f32; no weight converted
 to f32 in the loop), the LM head read once per step (vocabulary tiles beyond the logits budget equal
-the whole-row choice and the reference decoder), and benchmarks/decode_bytes.py's counter checked
-on hand-made programs whose answers are known."""
+the whole-row choice and the reference decoder), and the weight-read counter (dgr2_jax/aot/
+weight_reads.py, benchmarks/decode_bytes.py's) checked on hand-made programs whose answers are known."""
 
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dgr2_jax.aot import programs, weight_reads
 from dgr2_jax.decode import reference, sampler
 from dgr2_jax.model import logits as logits_lib
 from dgr2_jax.model import qwen3
 from dgr2_jax.model.config import Qwen3Config
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import decode_bytes  # noqa: E402
 
 sd = jax.ShapeDtypeStruct
 PROMPTS = [[7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [21, 22, 23]]
@@ -25,7 +22,7 @@ PROMPTS = [[7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [21, 22, 23]
 
 def _counts(fn, args, names):
   """Counts of fn's loop; its first len(names) arguments are the weights."""
-  return decode_bytes.analyse(decode_bytes.lowered_text(jax.jit(fn), args), list(zip(names, args)))
+  return weight_reads.analyse(weight_reads.lowered_text(jax.jit(fn), args), list(zip(names, args)))
 
 
 def test_counter_on_a_known_program():
@@ -92,16 +89,16 @@ def test_bf16_decoder_reads_each_weight_once_and_converts_none(program, batch):
   input embedding is only gathered) read once per step, no weight converted to f32; computing in
   f32 on bf16 weights is caught."""
   cfg = _qwen_vocab_config()
-  fn, args, leaves = decode_bytes.decoder_program(program, cfg, batch, 40, 64, 32)
-  res = decode_bytes.analyse(decode_bytes.lowered_text(fn, args), leaves)
+  fn, args, leaves = programs.decoder_program(program, cfg, batch, 40, 64, 32)
+  res = weight_reads.analyse(weight_reads.lowered_text(fn, args), leaves)
   for path, r in res["reads"].items():
     want = 0.0 if path.endswith("embed_tokens/embedding") else 1.0
     assert r == pytest.approx(want, abs=1e-9), path
   assert all(0 < g < 0.02 for p, g in res["gathered"].items() if p.endswith("embed_tokens/embedding"))
   assert res["converts"] == []
   if program == "ar":
-    fn, args, leaves = decode_bytes.decoder_program(program, cfg.replace(dtype="float32"), batch, 40, 64, 32)
-    res = decode_bytes.analyse(decode_bytes.lowered_text(fn, args), leaves)
+    fn, args, leaves = programs.decoder_program(program, cfg.replace(dtype="float32"), batch, 40, 64, 32)
+    res = weight_reads.analyse(weight_reads.lowered_text(fn, args), leaves)
     assert len({p for p, _ in res["converts"]}) == len(leaves)
 
 
@@ -113,10 +110,10 @@ def test_vocabulary_tiles_read_the_head_once():
     step = lambda c: (c[0] + 1, c[1] + logits_lib.greedy_over_vocab(cfg, params, h, 7)[1].sum())
     return jax.lax.while_loop(lambda c: c[1] < h.sum(), step, (0, jnp.float32(0)))
   pshape = qwen3.param_shapes(cfg)
-  leaves = decode_bytes.leaves_of(pshape)
+  leaves = weight_reads.leaves_of(pshape)
   args = (pshape, sd((64, 64), jnp.bfloat16))
   text = jax.jit(f, keep_unused=True).lower(*args).as_text(dialect="hlo")
-  counter = decode_bytes.Counter(text, ["bf16"] * len(leaves), [int(np.prod(x.shape)) for _, x in leaves])
+  counter = weight_reads.Counter(text, ["bf16"] * len(leaves), [int(np.prod(x.shape)) for _, x in leaves])
   loop = counter.run()[0]
   head = [i for i, (p, _) in enumerate(leaves) if p == "lm_head/kernel"][0]
   assert loop.children[0].trip == -(-151936 // 5000)

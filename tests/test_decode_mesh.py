@@ -1,13 +1,17 @@
 """The decode mesh (decode/mesh.py) on simulated CPU devices: tensor-parallel decoding over 2, 4
 and 8 devices equals one device token for token (AR, threshold, speculative), data-parallel
 decoding (the generate and eval stages) gives each device its own rows with outputs equal to one
-device, and sampled rollouts on a training mesh (data x fsdp x tensor) equal one device's.
+device, and sampled rollouts on a training mesh (data x fsdp x tensor) equal one device's. With the
+compilers of `pip install -e ".[aot]"`, the decoders compiled for 2 H100s and a TPU v5e slice hold
+no all-gather of a vocabulary-sized array in a decode loop.
 
-Runs in a subprocess: XLA_FLAGS must set the CPU device count before jax initialises.
+The simulated-device checks run in a subprocess: XLA_FLAGS must set the CPU device count before jax
+initialises.
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -56,6 +60,10 @@ for t in (2, 4, 8):
           "threshold": sampler.generate(cfg, p, prompts, dc(4, 0.7), mesh=mesh),
           "speculative": speculative.generate(cfg, p, cfg, p, prompts, dc(4, 0.7), mesh=mesh)}
   res[f"equal_t{t}"] = {k: same(outs[k], ref[k]) for k in ref}
+# One row: an AR step looks up a single embedding row (qwen3.embed_rows' one-row path).
+mesh = dmesh.make_mesh(1, 8)
+res["one_row_equal"] = same(sampler.generate(cfg, dmesh.put_params(mesh, params), prompts[:1], dc(1, 1.0), mesh=mesh),
+                            sampler.generate(cfg, params, prompts[:1], dc(1, 1.0)))
 
 # The tree the stages place (decode/runtime.py load_on_device: prepared on the host, fused q/k/v
 # and gate/up split over tensor by the same rules) decodes as the trained layout on one device.
@@ -190,6 +198,7 @@ def test_decode_mesh_equals_one_device():
   for t in (2, 4, 8):
     assert res[f"equal_t{t}"] == {"ar": True, "threshold": True, "speculative": True}, (t, res)
     assert res[f"q_shards_t{t}"] == [t, 64 // t]           # heads really split over tensor
+  assert res["one_row_equal"]                              # AR at batch 1, tensor=8
   for t in (2, 8):   # the prepared tree: fused q/k/v columns split over tensor too
     assert res[f"prepared_equal_t{t}"] == {"threshold": True, "speculative": True}, (t, res)
     assert res[f"qkv_shard_t{t}"] == 128 // t
@@ -258,3 +267,45 @@ def test_qwen3_8b_lowers_with_tensor_8():
   assert res["total"] / 8 <= res["per_dev"] < res["total"] / 8 * 1.001
   # 7 matrices per layer + the embedding and LM head enter the program split over the 8 devices.
   assert res["sharded_args"] == 7 * 36 + 2
+
+
+# The program a GPU compiles (a compile-only target: dgr2_jax/aot/targets.py): Qwen3's vocabulary at
+# a tiny width, the tables split over the vocabulary on tensor. A decode loop body that all-gathers a
+# vocabulary-sized array moves the whole table every step (Qwen3-8B's input embedding: 1.2 GB); the
+# lookup must run vocabulary-parallel (a masked local gather and an all-reduce of the rows). Needs
+# the compilers of `pip install -e ".[aot]"`; skips without them.
+@pytest.mark.parametrize("target,tensor", [("h100x2", 2), ("v5e-4", 4)])
+def test_no_vocabulary_gather_in_tensor_parallel_decode_loops(target, tensor):
+  import jax
+  import jax.numpy as jnp
+  from dgr2_jax.aot import hlo, targets
+  from dgr2_jax.decode import sampler
+  from dgr2_jax.model import qwen3
+  from dgr2_jax.model.config import Qwen3Config
+  backend = targets.resolve(target).backend
+  if not targets.available(backend):
+    pytest.skip(f"no {backend.upper()} compiler here: {targets.AOT_EXTRA} installs it")
+  sd = jax.ShapeDtypeStruct
+  vocab = 151936
+  for tied, block in ((False, 1), (True, 1), (False, 4)):   # AR (untied, tied input embedding), diffusion
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=8, num_key_value_heads=8, head_dim=16, tie_word_embeddings=tied,
+                      dtype="bfloat16", param_dtype="bfloat16", mask_token_id=vocab - 1, eos_token_id=0,
+                      pad_token_id=0)
+    with targets.compile_for(target):
+      mesh = dmesh.make_mesh(1, tensor)
+      shapes = qwen3.param_shapes(cfg)
+      params = jax.tree_util.tree_map(lambda x, s: sd(x.shape, x.dtype, sharding=s), shapes,
+                                      dmesh.param_shardings(mesh, shapes))
+      dc = sampler.decode_config_for(cfg, block_size=block, threshold=0.9 if block > 1 else 1.0, max_new_tokens=16)
+      prog = hlo.compile_program(sampler.decoder_for(cfg, dc, mesh)[1], params,
+                                 sd((1, 64), jnp.int32, sharding=dmesh.sharding(mesh, ("batch", None), (1, 64))),
+                                 sd((1,), jnp.int32, sharding=dmesh.sharding(mesh, ("batch",), (1,))),
+                                 sd((), jnp.float32), sd((), jnp.float32), sd((), jnp.int32), sd((), jnp.float32),
+                                 sd((2,), jnp.uint32), sd((), jnp.int32), name=f"block {block}, tied {tied}")
+    assert prog.platform == backend and prog.devices == tensor and prog.loops()
+    looped = [c for c in prog.collectives if c.in_loop]
+    gathers = [(c.shape, c.bytes) for c in looped if c.op == "all-gather" and str(vocab) in re.findall(r"\d+", c.shape)]
+    assert not gathers, (prog.name, gathers)
+    # The rows a step looks up are summed over the vocabulary shards: a few KB, not the table.
+    assert any(c.op == "all-reduce" for c in looped) and max(c.bytes for c in looped) < 2**20, (prog.name, looped)

@@ -8,21 +8,18 @@ logits stay near bf16's; the lowered decoders at Qwen3's vocabulary run 4 projec
 layer and step and read each float8 kernel once, its convert kept inside the decode loop."""
 
 import dataclasses
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dgr2_jax.aot import programs, weight_reads
 from dgr2_jax.decode import config as decode_config
 from dgr2_jax.decode import sampler, speculative
 from dgr2_jax.model import masks, qwen3
 from dgr2_jax.model.config import Qwen3Config
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import decode_bytes  # noqa: E402
 
 FP8 = "float8_e4m3fn"
 forward = jax.jit(qwen3.forward, static_argnums=0)   # one jit per config (eager flax is slow)
@@ -246,8 +243,8 @@ def test_lowered_decoders_at_qwen3_vocab(program, batch, tied):
   cfg = _qwen_vocab_config(tie_word_embeddings=tied)
   rows = {}
   for wd in ("", FP8):
-    fn, args, leaves = decode_bytes.decoder_program(program, cfg, batch, 40, 64, 32, wd)
-    res = decode_bytes.analyse(decode_bytes.lowered_text(fn, args), leaves)
+    fn, args, leaves = programs.decoder_program(program, cfg, batch, 40, 64, 32, wd)
+    res = weight_reads.analyse(weight_reads.lowered_text(fn, args), leaves)
     assert set(res["matmuls_per_layer"].values()) == {4}, res["matmuls_per_layer"]
     for path, r in res["reads"].items():
       assert r == pytest.approx(0.0 if path.endswith("embed_tokens/embedding") and not tied else 1.0, abs=1e-9), path
@@ -259,7 +256,7 @@ def test_lowered_decoders_at_qwen3_vocab(program, batch, tied):
   fn = sampler.decoder_for(cfg, dc, fuse_projections=False)[1]
   args = (raw, sd((1, 40), jnp.int32), sd((1,), jnp.int32), sd((), jnp.float32), sd((), jnp.float32),
           sd((), jnp.int32), sd((), jnp.float32), sd((2,), jnp.uint32), sd((), jnp.int32))
-  res = decode_bytes.analyse(decode_bytes.lowered_text(fn, args), decode_bytes.leaves_of(raw))
+  res = weight_reads.analyse(weight_reads.lowered_text(fn, args), weight_reads.leaves_of(raw))
   assert set(res["matmuls_per_layer"].values()) == {7}
 
 
@@ -267,13 +264,13 @@ def test_float8_convert_stays_in_the_loop():
   """Compiled for this backend (XLA's CPU hoists every loop-invariant weight convert it can): no
   float8 weight enters the AR decode loop as a wider copy; without `qwen3.in_step` they do."""
   cfg = _qwen_vocab_config(tie_word_embeddings=True)
-  fn, args, leaves = decode_bytes.decoder_program("ar", cfg, 1, 40, 64, 32, FP8)
+  fn, args, leaves = programs.decoder_program("ar", cfg, 1, 40, 64, 32, FP8)
   narrow = {p for p, x in leaves if x.dtype == jnp.float8_e4m3fn}
 
   def hoisted():
     sampler.compiled_decoder.cache_clear()
-    fn, args, _ = decode_bytes.decoder_program("ar", cfg, 1, 40, 64, 32, FP8)
-    res = decode_bytes.analyse(decode_bytes.compiled_text(fn, args), leaves, lowered=False)
+    fn, args, _ = programs.decoder_program("ar", cfg, 1, 40, 64, 32, FP8)
+    res = weight_reads.analyse(weight_reads.compiled_text(fn, args), leaves, lowered=False)
     return {p for p, w in res["converts"] if "before the loop" in w} & narrow
   assert len(narrow) == 9 and not hoisted()
   try:
@@ -296,12 +293,12 @@ def test_counter_folds_a_float8_convert_into_its_matmul():
     return jax.lax.while_loop(lambda c: c[0] < c[1].sum(), lambda c: (c[0] + 1, c[1] @ wb), (0, x))
   args = (sd((16, 16), jnp.float8_e4m3fn), sd((2, 16), jnp.bfloat16))
   leaves = [("layers_0/w", args[0])]
-  res = decode_bytes.analyse(decode_bytes.lowered_text(jax.jit(inside), args), leaves)
+  res = weight_reads.analyse(weight_reads.lowered_text(jax.jit(inside), args), leaves)
   assert res["reads"]["layers_0/w"] == 1.0 and res["matmuls_per_layer"] == {"layers_0": 1} and not res["converts"]
-  res = decode_bytes.analyse(decode_bytes.lowered_text(jax.jit(before), args), leaves)
+  res = weight_reads.analyse(weight_reads.lowered_text(jax.jit(before), args), leaves)
   assert res["reads"]["layers_0/w"] == 2.0 and "made before the loop" in res["converts"][0][1]
   # the compiled count keeps an in-loop convert as XLA left it (no folding)
-  assert decode_bytes.analyse(decode_bytes.lowered_text(jax.jit(inside), args), leaves, lowered=False)[
+  assert weight_reads.analyse(weight_reads.lowered_text(jax.jit(inside), args), leaves, lowered=False)[
       "reads"]["layers_0/w"] == 3.0
 
 

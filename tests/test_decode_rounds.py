@@ -5,7 +5,8 @@ import jax
 import numpy as np
 import pytest
 
-from dgr2_jax.decode import hlo_loops, reference, sampler, speculative
+from dgr2_jax.aot import hlo as hlo_lib
+from dgr2_jax.decode import reference, sampler, speculative
 
 PROMPTS = [[7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [21, 22, 23]]  # mixed lengths
 R = 16
@@ -24,7 +25,7 @@ def _args(params, dc):
 
 def _decode_loop(fn, args):
   """(the loop whose predicate reaches the host, every loop) of a compiled decoder."""
-  loops = hlo_loops.loops(fn.lower(*args).compile().as_text())
+  loops = hlo_lib.loops(fn.lower(*args).compile().as_text())
   unknown = [l for l in loops if l.trip_count is None]
   assert len(unknown) == 1, [(l.name, l.trip_count) for l in loops]
   return unknown[0], {l.name: l for l in loops}
@@ -79,7 +80,7 @@ def test_speculative_group_makes_one_host_round_trip(tiny_lm, k, m, temp):
   hlo = fn.lower(*args).compile().as_text()
   outer, loops = _decode_loop(fn, args)
   assert outer.conditionals == 0, "no cond inside the speculative loop"
-  assert hlo_loops.host_predicates(hlo, outer) == 1
+  assert hlo_lib.host_predicates(hlo, outer) == 1
   assert all(loops[n].trip_count is not None for n in outer.inner)
   # The cycles: a loop of k / m iterations holding every forward (drafter and verifier), and in it
   # the drafter's steps (a loop of m iterations; XLA inlines a loop of one).

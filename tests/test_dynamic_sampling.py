@@ -8,6 +8,7 @@ prompts named `dead` get a constant reward (no variance), the others one that al
 
 import json
 import os
+import sys
 
 import jax
 import ml_collections
@@ -159,7 +160,7 @@ def test_two_processes_equal_one(tmp_path):
   out = {}
   for n, k in ((1, 2), (2, 1)):
     name = f"{n}x{k}"
-    mph.check(mph.launch(n, k, ["python", "tests/mp_rl_worker.py", f"--workdir={tmp_path / name}",
+    mph.check(mph.launch(n, k, [sys.executable, "tests/mp_rl_worker.py", f"--workdir={tmp_path / name}",
                                 f"--out={tmp_path / name}.npz"], timeout=600))
     out[name] = np.load(f"{tmp_path / name}.npz")
   one, two = out["1x2"], out["2x1"]

@@ -123,6 +123,17 @@ def test_cached_incremental_equals_full_forward(case, block_size):
   assert len(cache) == config.num_hidden_layers and cache[0]["k"].shape[1] == s
 
 
+def test_embed_rows_is_take():
+  """The embedding lookup (`qwen3.embed_rows`) at any index shape, one row (taken as two) included,
+  and of a 1-D table (a per-row scale)."""
+  table = jnp.arange(40.0).reshape(10, 4)
+  for ids in (jnp.array(3), jnp.array([3]), jnp.array([[7]]), jnp.array([[1, 9], [0, 3]])):
+    got = qwen3.embed_rows(table, ids)
+    assert got.shape == ids.shape + (4,)
+    np.testing.assert_array_equal(got, jnp.take(table, ids, axis=0))
+  np.testing.assert_array_equal(qwen3.embed_rows(table[:, 1], jnp.array([[5]])), [[21.0]])
+
+
 REAL = {
     "Qwen3-0.6B": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,

@@ -15,12 +15,13 @@ import json
 import os
 import re
 import shutil
+import sys
 
 import pytest
 
 import multiprocess_harness as mph
 
-SMOKE = ["python", "-m", "dgr2_jax.main", "--config=configs/demo.py:smoke"]
+SMOKE = [sys.executable, "-m", "dgr2_jax.main", "--config=configs/demo.py:smoke"]
 HOST_STAGES = ("data", "sids", "retriever", "traces")
 MODEL_STAGES = ("sft", "teacher_rl", "convert", "cft", "opd", "rl")
 # Both runs split the parameters over 2 of the 4 devices (data 2 x fsdp 2): as 2 processes, each

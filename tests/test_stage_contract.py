@@ -205,7 +205,7 @@ def test_toy_stages_with_two_processes(tmp_path):
   _write_toys(folder)
   (folder / "worker.py").write_text(WORKER)
   wd = tmp_path / "wd"
-  argv = ["python", str(folder / "worker.py"), str(folder), str(wd)]
+  argv = [sys.executable, str(folder / "worker.py"), str(folder), str(wd)]
   for _ in range(2):
     mph.check(mph.launch(2, 1, argv, timeout=300))
     assert sorted(builds(folder, "dgr2_toy_a")) == ["0"]

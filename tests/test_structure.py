@@ -14,8 +14,11 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = REPO_ROOT / "dgr2_jax"
 MAX_LINES, MAX_PARAMS = 120, 10
 # Lower layers first: a module may import its own layer and the ones before it, never a later one.
-LAYERS = (("chain", "checks", "multihost"), ("fileio",), ("model", "task", "data", "results"), ("decode",),
-          ("train", "serve"), ("stages",), ("main",))
+# `platform` (what a program is built for) sits at the bottom, `results` over decode (a benchmark row
+# names the decode flags it ran with), `aot` (compiling every program of a run for a target) beside
+# main, over everything: nothing below imports it.
+LAYERS = (("chain", "checks", "multihost", "console", "platform"), ("fileio",), ("model", "task", "data"),
+          ("decode", "results"), ("train", "serve"), ("stages",), ("main", "aot"))
 
 
 def _modules() -> dict:

@@ -122,7 +122,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     loop.train(c, str(tmp_path), params=_params(), loss_fn=bad_loss, batch_iter=it)
   mgr = ckpt_lib.make_manager(str(tmp_path), 2)
   assert mgr.all_steps() == [2]
-  state, data = ckpt_lib.restore(mgr, 2)
+  state, data, _ = ckpt_lib.restore(mgr, 2)
   assert data == {"index": 2} and int(state["step"]) == 2
   assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(state["params"]))
   lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]

@@ -93,7 +93,8 @@ def test_step_bytes_is_the_plans_training_step():
   row = dry_run.step_bytes(c, mc, "opd", 1)
   n = qwen3.count_params(qwen3.param_shapes(mc))
   assert row["params"] == 4 * n and row["frozen_teacher"] == 2 * n  # f32 master weights, bf16 teacher
-  assert row["train_step"] == row["params"] + row["optimizer"] + row["gradients"] + row["frozen_teacher"] + row["total"]
+  assert row["train_step"] == (row["params"] + row["optimizer"] + row["gradients"] + row["accumulator"]
+                               + row["frozen_teacher"] + row["total"])
   assert row["sequence"] == 512 + 1536 + 1536 // 32 * train_step.CANVASES * 32 and row["rows_per_device"] == 8
   assert dry_run.step_bytes(c, mc, "cft", 1)["frozen_teacher"] == 0
   c.opd.teacher_cache = "full"  # a teacher that fills a cache stays as loaded (f32)

@@ -257,3 +257,29 @@ def stats(sequences: list[list[int]], n_items: int) -> dict:
 def format_stats(s: dict) -> str:
   return (f"users {s['users']:,}  items {s['items']:,}  interactions {s['interactions']:,}  "
           f"avg_seq_len {s['avg_seq_len']:.3f}")
+
+
+def load_with_placeholder_sids(beauty_dir: str) -> dict:
+  """{items, sids, sid_tokens, sequences} of a 'tsv' folder read as it is (items in file order, each
+  user's interactions in file order, no k-core), with PLACEHOLDER SIDs: a unique 4-level code from
+  the item index, not semantic. For the benchmarks that want the real catalogue's text lengths
+  without the SID and retriever stages (benchmarks/task_stats.py, benchmarks/prefix_reuse.py)."""
+  items = []
+  with open(os.path.join(beauty_dir, "items.jsonl")) as f:
+    for k, line in enumerate(f):
+      r = json.loads(line)
+      if r["item_id"] != k + 1:
+        raise ValueError(f"{beauty_dir}/items.jsonl:{k + 1}: item_id {r['item_id']} out of order")
+      items.append(dict(item=k, title=r["title"] or "", brand=r["brand"],
+                        categories=r["categories"] or [], price=r["price"]))
+  seqs = collections.defaultdict(list)
+  with gzip.open(os.path.join(beauty_dir, "interactions.tsv.gz"), "rt") as f:
+    next(f)
+    for line in f:
+      u, i, _, _ = line.split("\t")
+      seqs[int(u)].append(int(i) - 1)
+  sequences = [seqs[u] for u in sorted(seqs)]
+  # Placeholder SIDs: a unique 4-level code from the item index (NOT semantic).
+  sids = [f"<a_{i % 256}><b_{(i // 256) % 256}><c_{i // 65536}><d_0>" for i in range(len(items))]
+  tokens = sorted({t for s in sids for t in ["<" + x for x in s.split("<") if x]})
+  return dict(items=items, sids=sids, sid_tokens=tokens, sequences=sequences)

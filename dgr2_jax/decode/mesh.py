@@ -34,6 +34,7 @@ import numpy as np
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from dgr2_jax import platform
 from dgr2_jax.model import sharding as sharding_lib   # the logical-axis rules -> specs, as training's
 
 AXES = ("data", "tensor")
@@ -71,8 +72,9 @@ def mesh_shape(section, num_devices: int) -> tuple[int, int]:
 
 def make_mesh(data: int = -1, tensor: int = 1, devices=None) -> Mesh:
   """A ("data", "tensor") mesh over the first data * tensor of `devices` (default all global
-  devices), tensor the faster-varying axis (a host's neighbouring devices share a model)."""
-  devices = list(jax.devices() if devices is None else devices)
+  devices of the platform built for: `platform.devices()`), tensor the faster-varying axis (a
+  host's neighbouring devices share a model)."""
+  devices = list(platform.devices() if devices is None else devices)
   d, t = mesh_shape({"data": data, "tensor": tensor}, len(devices))
   return Mesh(np.asarray(devices[:d * t], dtype=object).reshape(d, t), AXES)
 
@@ -83,14 +85,14 @@ def from_config(config) -> Mesh | None:
   dec = config.get("decode", None) if hasattr(config, "get") else None
   section = dec.get("mesh", None) if dec is not None else None
   section = dict(section) if section is not None else {}
-  d, t = mesh_shape(section, jax.device_count())
+  d, t = mesh_shape(section, len(platform.devices()))
   return make_mesh(d, t) if d * t > 1 else None
 
 
 def describe(mesh: Mesh | None) -> str:
   """'8 x gpu (data 4, tensor 2)': what a benchmark row was timed on."""
   if mesh is None:
-    return f"1 x {jax.default_backend()} (data 1, tensor 1)"
+    return f"1 x {platform.backend()} (data 1, tensor 1)"
   kind = mesh.devices.flat[0].platform
   return f"{mesh.size} x {kind} (" + ", ".join(f"{a} {mesh.shape[a]}" for a in mesh.axis_names) + ")"
 

@@ -56,7 +56,7 @@ they are), and once every row has finished the rest of the k steps are masked: w
 at most k - 1 per call, reported as `masked_steps`. Inside a step there is no cond: the sampling
 route is chosen at trace time from the DecodeConfig (`sampling_route`; the settings stay traced),
 AR step 0 (predicted by the prefill, no forward) runs before the loop, and 'fused' runs its 2B
-window on every step. `decode/hlo_loops.py` reads this structure back from the compiled program.
+window on every step. `dgr2_jax/aot/hlo.py` reads this structure back from the compiled program.
 The filtered route (top-k/top-p) still holds `sampling.py`'s conds on the traced filter settings.
 """
 
@@ -71,6 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dgr2_jax import platform
 from dgr2_jax.decode import mesh as dmesh
 from dgr2_jax.decode import prefix, sampling
 from dgr2_jax.decode.config import KV_WRITES, DecodeConfig, decode_config_from  # noqa: F401
@@ -88,7 +89,7 @@ FUSED_MAX_ROWS = 2
 
 
 def _backend() -> str:
-  return jax.default_backend()
+  return platform.backend()   # the target's (a compile-only build), else the host's
 
 
 def resolve_kv_write(kv_write: str, rows: int | None = None, backend: str | None = None) -> str:

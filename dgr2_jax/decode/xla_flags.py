@@ -68,6 +68,19 @@ def compose(existing: str, flags) -> tuple:
   return " ".join([existing.strip(), *added]).strip(), added
 
 
+def command_buffers(xla_flags: str) -> str:
+  """What `xla_flags` asks of XLA's command buffers (CUDA graphs): 'loops' (the decode loop graphed
+  too), 'none' or 'xla default' (a benchmark row's `command_buffers`)."""
+  values = [f.split("=", 1)[1] if "=" in f else "" for f in xla_flags.split()
+            if flag_name(f) == "xla_gpu_enable_command_buffer"]
+  if not values:
+    return "xla default"
+  if not values[-1]:
+    return "none"
+  types = [t.strip().upper() for t in values[-1].split(",")]
+  return "loops" if ("WHILE" in types or "+WHILE" in types) else values[-1]
+
+
 def gpu_possible(env=None) -> bool:
   """False when `JAX_PLATFORMS` is set and names no GPU platform."""
   env = os.environ if env is None else env

@@ -38,10 +38,17 @@ Routes (`impl`, the model config's `attention_impl`):
     kernels (model/flash_pallas.py) over any `Ranges` or `Streams` (as per-query key intervals:
     `_pallas_intervals`): key tiles no query of a tile sees are skipped, the mask is applied on
     partial tiles only. Opt-in ('auto' does not pick it). Off the GPU it runs in Pallas interpret
-    mode (tests; `flash_pallas.INTERPRET`).
+    mode (tests; `flash_pallas.INTERPRET`). A GPU (Triton) kernel: on a TPU it raises (as do
+    'cudnn' and 'splitkey').
+  * 'pallas_tpu': the TPU kernels (model/flash_tpu.py), forward and backward: splash attention
+    for causal `Ranges` (SFT, the AR forward, the prompt's prefill) and CFT's two streams (at most
+    one segment per clean block: `Streams.segment_blocks`), a Pallas TPU port of 'pallas' over
+    key intervals for the rest (replay's canvases, any other range). Off a TPU it runs in Pallas
+    interpret mode (tests).
   * 'auto': on GPUs 'splitkey' for decode windows (at most DECODE_MAX_QUERIES queries against a
-    cache) and 'cudnn' for everything else (training, the prompt's prefill); elsewhere
-    'blockwise' (what the real presets use).
+    cache) and 'cudnn' for everything else (training, the prompt's prefill); on TPUs 'xla' for
+    decode windows (a [W, S] score block per kv head, inside the decode loop) and 'pallas_tpu'
+    for everything else; elsewhere 'blockwise' (what the real presets use).
 
 The prompt's prefill (the decoder's first window: the prompt slots from slot 0) is a causal
 `Ranges` (hi = t + 1 over the first T key slots of the cache), so 'cudnn' runs it `is_causal`
@@ -58,15 +65,17 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from dgr2_jax.model import decode_attention, flash_pallas
+from dgr2_jax import platform
+from dgr2_jax.model import decode_attention, flash_pallas, flash_tpu
 
-IMPLS = ("auto", "xla", "blockwise", "cudnn", "splitkey", "pallas")
+IMPLS = ("auto", "xla", "blockwise", "cudnn", "splitkey", "pallas", "pallas_tpu")
+GPU_ONLY = ("cudnn", "splitkey", "pallas")  # GPU kernels (cuDNN, Triton): never lowered for a TPU
 _NEG = -1e30  # finite: a query with no visible key gets a uniform (not NaN) softmax in 'xla'
 # What the 'cudnn' route passes to jax.nn.dot_product_attention; tests set None (XLA) on CPU.
 DPA_IMPLEMENTATION = "cudnn"
 Q_BLOCK = 512
 K_BLOCK = 512
-# 'auto' on GPUs: windows of at most this many queries against a cache take 'splitkey'.
+# 'auto' on GPUs (TPUs): windows of at most this many queries against a cache take 'splitkey' ('xla').
 DECODE_MAX_QUERIES = 64
 
 
@@ -85,11 +94,14 @@ class Ranges:
 class Streams:
   """The multi-stream layout: `context` ranges over the first C = P + R tokens ([prompt | clean]);
   segment g (of (N - C) / G tokens) sees context keys [context.lo[b], segment_hi[b, g]) and its
-  own keys. `prompt_slots` P and the clean stream's `block_size` (static) are for 'cudnn'."""
+  own keys. `prompt_slots` P and the clean stream's `block_size` (static) are for 'cudnn';
+  `segment_blocks` (static, optional: the clean block each segment canvases, segment_hi = P + jB)
+  lets 'pallas_tpu' build splash attention's static mask."""
   context: Ranges
   segment_hi: jax.Array  # [b, G]
   prompt_slots: int = flax.struct.field(pytree_node=False, default=0)
   block_size: int = flax.struct.field(pytree_node=False, default=1)
+  segment_blocks: tuple = flax.struct.field(pytree_node=False, default=())
 
 
 def dense_mask(r: Ranges, num_keys: int) -> jax.Array:
@@ -106,7 +118,12 @@ def attend(q, k, v, mask, impl: str = "xla", k_splits: int = 0):
   if impl not in IMPLS:
     raise ValueError(f"model.attention_impl must be one of {IMPLS}, got {impl!r}")
   if impl == "auto":  # the fused kernels where they exist, else the memory-efficient pure-JAX route
-    impl = auto_impl(q.shape[1], k.shape[1], mask, jax.default_backend())
+    impl = auto_impl(q.shape[1], k.shape[1], mask, platform.backend())   # the target's, else the host's
+  if impl in GPU_ONLY and platform.backend() == "tpu":
+    raise ValueError(f"model.attention_impl={impl!r} is a GPU kernel and does not run on a TPU: use 'pallas_tpu' "
+                     f"(what 'auto' takes there), 'xla' or 'blockwise'")
+  if impl == "pallas_tpu" and isinstance(mask, (Ranges, Streams)):
+    return _pallas_tpu(q, k, v, mask)
   if impl == "pallas" and isinstance(mask, (Ranges, Streams)):
     return flash_pallas.flash_attention(q, k, v, *_pallas_intervals(mask, k.shape[1]))
   if isinstance(mask, Streams):
@@ -125,12 +142,36 @@ def attend(q, k, v, mask, impl: str = "xla", k_splits: int = 0):
 def auto_impl(num_queries: int, num_keys: int, mask, backend: str) -> str:
   """The route 'auto' takes: on GPUs the split-key kernel for a decode window (a non-causal
   `Ranges` of at most DECODE_MAX_QUERIES queries against more keys: a KV cache) and cuDNN
-  for the rest; 'blockwise' elsewhere."""
-  if backend != "gpu":
+  for the rest; on TPUs 'xla' for a decode window and the TPU kernels for the rest; 'blockwise'
+  elsewhere."""
+  if backend not in ("gpu", "tpu"):
     return "blockwise"
   window = (isinstance(mask, Ranges) and not mask.causal and num_keys > num_queries
             and num_queries <= DECODE_MAX_QUERIES)
+  if backend == "tpu":
+    return "xla" if window else "pallas_tpu"
   return "splitkey" if window else "cudnn"
+
+
+# ---- 'pallas_tpu': splash attention or the interval kernel (model/flash_tpu.py) -------------------
+def _pallas_tpu(q, k, v, mask):
+  """Splash attention where its static masks say the mask: causal `Ranges` (keys past the queries,
+  a prefill's cache, are never visible) and the multi-stream layout with at most one segment per
+  clean block (CFT's two streams; block size 1: causal). Replay's canvases (up to B per block, so
+  several times CFT's length and a new [N, N] numpy mask per cap) and every other range take the
+  interval kernel, whose tile tables come from the ranges at run time."""
+  t = q.shape[1]
+  if isinstance(mask, Ranges) and mask.causal:
+    return flash_tpu.splash_attention(q, k[:, :t], v[:, :t], mask.lo)
+  if isinstance(mask, Streams):
+    c, blocks, bs = mask.context.hi.shape[1], mask.segment_blocks, mask.block_size
+    if mask.context.causal and not mask.segment_hi.shape[1]:
+      return flash_tpu.splash_attention(q, k, v, mask.context.lo)
+    if (blocks and len(blocks) == mask.segment_hi.shape[1] == len(set(blocks)) and bs > 1
+        and k.shape[1] == c + len(blocks) * bs):
+      layout = flash_tpu.StreamLayout(mask.prompt_slots, c, bs, tuple(blocks))
+      return flash_tpu.splash_attention(q, k, v, mask.context.lo, layout)
+  return flash_tpu.flash_attention(q, k, v, *_pallas_intervals(mask, k.shape[1]))
 
 
 # ---- 'pallas': key intervals ---------------------------------------------------------------------

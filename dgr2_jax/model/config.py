@@ -20,7 +20,8 @@ import ml_collections
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_KINDS = ("causal", "block_causal")
-ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "splitkey", "pallas")  # dgr2_jax.model.attention.IMPLS
+# The routes of dgr2_jax.model.attention.IMPLS (tests/test_main.py holds them equal).
+ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "splitkey", "pallas", "pallas_tpu")
 # Fields a run chooses and a checkpoint does not record (`with_runtime`).
 RUNTIME_FIELDS = ("dtype", "remat", "remat_policy", "scan_layers", "attention_impl", "attention_k_splits",
                   "logits_chunk", "logits_budget_bytes")

@@ -38,7 +38,8 @@ partition a Pallas call (a custom call) and would gather the whole cache to ever
 kv heads (the rows and heads are independent: no communication), with the split rule applied to
 its local shapes.
 
-On CPU the same kernel runs in Pallas interpret mode (`interpret=None`: interpret off the GPU),
+On CPU the same kernel runs in Pallas interpret mode (`interpret=None`: interpret off the GPU being
+built for, `platform.interpret_pallas`),
 which is how the tests prove it equal to the dense route. No backward: a decode-only route.
 """
 
@@ -52,6 +53,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from dgr2_jax import platform
 
 NEG = -1e30          # finite "minus infinity" of the running max (no inf - inf in the kernel)
 MAX_SPLITS = 64
@@ -79,9 +82,9 @@ def tiling(rows: int, num_keys: int, block_r: int = 64) -> tuple[int, int, int]:
 
 
 def num_sms() -> int:
-  """Streaming multiprocessors of the default device (DEFAULT_SMS when it does not say)."""
-  dev = jax.devices()[0]
-  return int(getattr(dev, "core_count", 0) or DEFAULT_SMS) if dev.platform == "gpu" else DEFAULT_SMS
+  """Streaming multiprocessors of the target's GPU, else the default device's (DEFAULT_SMS when
+  neither says; dgr2_jax/platform.py)."""
+  return platform.num_sms(DEFAULT_SMS)
 
 
 def num_splits(batch: int, kv_heads: int, row_blocks: int, num_keys: int, block_k: int,
@@ -142,7 +145,7 @@ def split_key_attention(q, k, v, lo, hi, *, k_splits: int = 0, block_r: int = 64
   b, t, kh, g, d = q.shape
   s_len = k.shape[1]
   if interpret is None:
-    interpret = jax.default_backend() != "gpu"
+    interpret = platform.interpret_pallas("gpu")
   rb, rows, bk = tiling(t * g, s_len, block_r)
   splits = num_splits(b, kh, rows // rb, s_len, bk, k_splits)
   lo = jnp.broadcast_to(jnp.asarray(lo, jnp.int32), (b,))

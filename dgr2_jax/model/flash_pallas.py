@@ -32,7 +32,8 @@ zero-padded head dim changes no score) only when they are not already.
 A query that sees no key (a left-padding slot) gets output 0 (as 'blockwise' defines it; 'xla'
 gives the mean of all values there, which no loss reads) and no gradient.
 
-`INTERPRET`: None = Pallas interpret mode off the GPU (how the tests run it on CPU), or a bool.
+`INTERPRET`: None = Pallas interpret mode off the GPU being built for (`platform.interpret_pallas`:
+the host's backend, or a compile-only target's; how the tests run it on CPU), or a bool.
 On a mesh (training's rows over `data`/`fsdp`, heads over `tensor`), XLA cannot partition a Pallas
 call (a custom call) and would gather every operand to every device; each of the three calls is
 under `custom_partitioning` instead (as `decode_attention.partitioned`): every device runs it on
@@ -51,6 +52,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from dgr2_jax import platform
 
 INTERPRET: bool | None = None
 NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # masked score (finite: no inf - inf in the kernel)
@@ -146,7 +149,7 @@ def _prepare(q, k, v, intervals, blocks, interpret):
   qp = _pad(_pad(q, 1, tp), 4, dp)
   kp, vp = (_pad(_pad(x, 1, sp), 3, dp) for x in (k, v))
   if interpret is None:
-    interpret = INTERPRET if INTERPRET is not None else jax.default_backend() != "gpu"
+    interpret = INTERPRET if INTERPRET is not None else platform.interpret_pallas("gpu")
   cfg = _Cfg(bl, bool(interpret), d ** -0.5)
   rows = _pad(jnp.stack([row(lo1), row(hi1), row(lo2), row(hi2)], axis=1), 2, tp)   # [b,4,Tp]
   return (qp, kp, vp, rows), cfg, (t, d)

@@ -63,6 +63,22 @@ def rope_cos_sin(config: Qwen3Config, positions: jnp.ndarray, dtype):
           (jnp.sin(emb) * scale).astype(dtype)[:, :, None, :])
 
 
+def embed_rows(table, tokens):
+  """table [V, ...] (an embedding or its per-row scale, sharded over V under tensor parallelism),
+  tokens [...] int -> table[tokens] [..., ...] (jnp.take).
+
+  Under tensor parallelism XLA partitions the lookup vocabulary-parallel: each device takes the
+  rows in its shard, zeros the others, and the rows are summed over the shards (an all-reduce of
+  [rows, E]). A lookup of one row (an AR step at batch 1) is taken as two copies of that row, one
+  kept: XLA's GPU compiler rewrites a one-index gather as a dynamic-slice before partitioning, and a
+  dynamic-slice of a vocabulary-sharded table partitions by all-gathering the whole table, every
+  step (1.2 GB for Qwen3-8B's input embedding)."""
+  if tokens.size != 1:
+    return jnp.take(table, tokens, axis=0)
+  two = jnp.broadcast_to(tokens.reshape(1), (2,))
+  return jnp.take(table, two, axis=0)[:1].reshape(tokens.shape + table.shape[1:])
+
+
 def _dense(features, name, config, use_bias=False):
   return nn.Dense(features, use_bias=use_bias, name=name, dtype=config.jnp_dtype,
                   param_dtype=config.jnp_param_dtype,
@@ -216,12 +232,12 @@ class Qwen3(nn.Module):
     if quantized_embed:   # decode_params quantized the tied embedding: dequantize the gathered rows
       e = self.get_variable("params", "embed_tokens")
       table, tokens = in_step(e["embedding"], tokens)
-      x = (jnp.take(table, tokens, axis=0).astype(jnp.float32)
-           * jnp.take(e["embedding_scale"], tokens, axis=0)[..., None]).astype(c.jnp_dtype)
+      x = (embed_rows(table, tokens).astype(jnp.float32)
+           * embed_rows(e["embedding_scale"], tokens)[..., None]).astype(c.jnp_dtype)
     else:
       embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.jnp_dtype, param_dtype=c.jnp_param_dtype,
                        embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
-      x = embed(tokens)  # [B,T,E]
+      x = embed_rows(embed.embedding.astype(c.jnp_dtype), tokens)  # [B,T,E], as embed(tokens) computes it
     # Every layer rotates by the same positions: cos/sin once per forward, not once per layer.
     rope = rope_cos_sin(c, positions, c.jnp_dtype)
     new_cache = []

@@ -39,7 +39,8 @@ def stream_ranges(prompt_len, prompt_slots: int, response_len: int, block_size: 
   ctx = masks.sequence_ranges(prompt_len, prompt_slots, prompt_slots + response_len, block_size)
   seg_hi = prompt_slots + np.asarray(seg_block, np.int32) * block_size
   seg_hi = jnp.broadcast_to(jnp.asarray(seg_hi, jnp.int32)[None], (ctx.lo.shape[0], len(seg_block)))
-  return attention.Streams(ctx, seg_hi, prompt_slots=prompt_slots, block_size=block_size)
+  return attention.Streams(ctx, seg_hi, prompt_slots=prompt_slots, block_size=block_size,
+                           segment_blocks=tuple(int(j) for j in seg_block))
 
 
 def response_predictions(config: Qwen3Config, params, prompt, prompt_len, clean, seg_tokens,

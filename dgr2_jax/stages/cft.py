@@ -25,6 +25,7 @@ from dgr2_jax.stages import traces as traces_stage
 from dgr2_jax.task import pipeline
 from dgr2_jax.task import prompts as prompts_lib
 from dgr2_jax.task import tokenizer as tok_lib
+from dgr2_jax.train import config as train_config
 from dgr2_jax.train import cft, loop
 
 
@@ -52,6 +53,23 @@ def choice_after_id(tokenizer) -> int:
   return ids[0]
 
 
+def loss_for(cc, mc, mask_id: int, choice_id: int = -1):
+  """The CFT step's loss (`cft.cft_loss`) of the block-diffusion model `mc` with the settings of
+  section `cc`; `choice_id`: the token before a candidate number (`choice_after_id`), read only
+  when cft.choice_weight != 1."""
+  kw = dict(eps=float(cc.eps), weighting=str(cc.loss_weighting),
+            reasoning_weight=float(cc.reasoning_weight), answer_weight=float(cc.answer_weight),
+            complementary=bool(cc.complementary_mask))
+  if float(cc.get("choice_weight", 1.0)) != 1.0:
+    kw.update(choice_weight=float(cc.choice_weight), choice_after_id=int(choice_id))
+  options = cft.LossOptions(**kw)
+  bs = int(cc.block_size)
+
+  def loss_fn(p, batch, rng):
+    return cft.cft_loss(mc, p, batch, rng, block_size=bs, mask_id=int(mask_id), options=options)
+  return loss_fn
+
+
 def _source(config, workdir: str) -> tuple[str, str]:
   """(the previous model stage, the model to convert: `cft.init_from` or that stage's model)."""
   prev = chain.previous_model_stage(config, "cft")
@@ -61,7 +79,8 @@ def _source(config, workdir: str) -> tuple[str, str]:
 def _hash(config, workdir: str, upstream: dict) -> str:
   prev, init_from = _source(config, workdir)
   up = [upstream["traces"], contract.upstream(workdir, [prev])[prev]]
-  return common.config_hash(config.seed, config.cft, config.train, config.task, init_from, up, workdir=workdir)
+  return common.config_hash(config.seed, config.cft, train_config.hashed(config.train), config.task, init_from, up,
+                            workdir=workdir)
 
 
 def _build(config, workdir: str, build: contract.Build) -> str:
@@ -90,16 +109,8 @@ def _build(config, workdir: str, build: contract.Build) -> str:
   logging.info("cft: %d examples, %d steps, block size %d", n, tconfig.train.total_steps, bs)
   batch_iter = pipeline.make_iterator(arrays, int(tconfig.train.batch_size), seed=int(config.seed),
                                       field="train.batch_size")
-  kw = dict(eps=float(cc.eps), weighting=str(cc.loss_weighting),
-            reasoning_weight=float(cc.reasoning_weight), answer_weight=float(cc.answer_weight),
-            complementary=bool(cc.complementary_mask))
-  if float(cc.get("choice_weight", 1.0)) != 1.0:
-    kw.update(choice_weight=float(cc.choice_weight), choice_after_id=choice_after_id(tokenizer))
-  options = cft.LossOptions(**kw)
-
-  def loss_fn(p, batch, rng):
-    return cft.cft_loss(mc, p, batch, rng, block_size=bs, mask_id=int(mask_id), options=options)
-
+  choice = choice_after_id(tokenizer) if float(cc.get("choice_weight", 1.0)) != 1.0 else -1
+  loss_fn = loss_for(cc, mc, int(mask_id), choice)
   state = loop.train(tconfig, train_dir, params=params, loss_fn=loss_fn, batch_iter=batch_iter, desc="cft")
   with build.publish({"steps": int(tconfig.train.total_steps), "examples": counts}) as tmp:
     model_ckpt.save_model_dir(os.path.join(tmp, "model"), mc, state["params"], tokenizer_src=tok_dir)

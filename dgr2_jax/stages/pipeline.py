@@ -33,10 +33,10 @@ import json
 import os
 import time
 
-import jax
 import ml_collections
 
 from dgr2_jax import checks
+from dgr2_jax import platform
 from dgr2_jax import results
 from dgr2_jax.chain import AR_STAGES, MODEL_STAGES, final_model_stage, model_dir, teacher_model_dir  # noqa: F401
 from dgr2_jax.chain import previous_model_stage, teacher_stage  # noqa: F401
@@ -239,7 +239,7 @@ def check_batch_sizes(config) -> None:
   feeds its own rows) and, for the supervised stages, over the mesh's data x fsdp devices.
   ValueError naming the field."""
   on, tc = enabled_stages(config), config.train
-  devices, processes = jax.device_count(), jax.process_count()
+  devices, processes = len(platform.devices()), platform.process_count()   # a compile-only target's too
   for stage, field, size in (("sft", "train.batch_size", tc.batch_size),
                              ("cft", "cft.batch_size" if config.get("cft", {}).get("batch_size", 0)
                               else "train.batch_size",

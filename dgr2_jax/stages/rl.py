@@ -47,12 +47,17 @@ def _settings(config, workdir: str, stage: str, overrides: dict | None):
   src = on_policy.source_dir(config, workdir, stage, rc)
   if int(rc.group_size) < 2:
     raise ValueError(f"config.{stage}.group_size must be >= 2 (group-normalised advantages), got {rc.group_size}")
+  return with_decode(config, overrides), rc, src
+
+
+def with_decode(config, overrides: dict | None):
+  """`config` with the rollouts' `decode` overrides (`grpo_stage`'s; None: as it is)."""
   if overrides:
     config = config.copy_and_resolve_references()
     with config.unlocked():
       for k, v in overrides.items():
         config.decode[k] = v
-  return config, rc, src
+  return config
 
 
 def _hash(config, workdir: str, upstream: dict, stage: str, overrides: dict | None) -> str:
@@ -104,15 +109,13 @@ def train_grpo(config, workdir: str, build: contract.Build, rc, src: str) -> str
   dc = on_policy.rollout_decode_config(config, task["tids"], mc, rc.temperature)
   bs, mask_id, g = dc.block_size, dc.mask_token_id, int(rc.group_size)
   policy_cfg = mc.as_block_diffusion(bs, mask_id)
-  kl_coef = float(rc.kl_coef)
-  dist = dict(temperature=dc.temperature, top_k=dc.top_k, top_p=dc.top_p, mask_id=mask_id)
   per_call = int(rc.get("rollout_batch_size", 0))
   informative = str(rc.get("informative", "any"))
   # The starting model, for kl_ref (trained on at kl_coef > 0, else logged): a frozen copy that
   # every step's loss scores its rows under (`grpo.grpo_loss`'s ref_params; the loop skips the
   # micro-batches without a loss token). A copy, not the same buffers: the train state is donated.
   ref_params = None
-  if kl_coef > 0 or bool(rc.get("log_kl_ref", True)):
+  if keeps_ref(rc):
     ref_params = opd_lib.frozen_teacher(policy_cfg, jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params))
 
   def make_batch(p, prompts, key):
@@ -129,14 +132,10 @@ def train_grpo(config, workdir: str, build: contract.Build, rc, src: str) -> str
     m["groups_dropped"] = float(1.0 - keep.reshape(-1, g)[:, 0].mean())
     return batch, m
 
-  pps = int(rc.prompts_per_step)
-  steps = int(rc.steps)
+  pps, steps = int(rc.prompts_per_step), int(rc.steps)
   draws, target = grpo.sampling_settings(rc)
-  # Dynamic sampling: the batch of every draw the step may make, in as many more micro-batches.
-  tconf = on_policy.on_policy_config(config, rows=draws * pps * g, steps=steps, lr=rc.lr,
-                                     grad_accum=draws * int(rc.grad_accum_steps))
-  loss_fn = functools.partial(grpo.grpo_loss, policy_cfg, block_size=bs, objective=grpo.Objective(
-      clip_low=float(rc.clip_eps), clip_high=float(rc.clip_eps_high), kl_coef=kl_coef), **dist)
+  tconf = step_config(config, rc)
+  loss_fn = loss_for(rc, policy_cfg, dc)
   prompt_iter = on_policy.prompt_iterator(task["prompts"], pps, int(config.seed))
   sampling = rollouts.DynamicSampling(draws, target, g, int(rc.grad_accum_steps))
   state = loop.train(tconf, train_dir, params=params, loss_fn=loss_fn, desc=stage, frozen=ref_params,
@@ -145,3 +144,25 @@ def train_grpo(config, workdir: str, build: contract.Build, rc, src: str) -> str
                                                 int(rc.get("valid_every", 0)), bool(rc.get("keep_best", False))))
   extra = {"steps": steps, "source": src, "examples": task["counts"], "best_step": state["best_step"]}
   return on_policy.publish(build, on_policy.Trained(state, mc, rc, extra), task, train_dir)
+
+
+def keeps_ref(rc) -> bool:
+  """Whether a GRPO stage (section `rc`) holds a frozen copy of its starting model: for the KL to it,
+  trained on (kl_coef > 0) or logged (log_kl_ref)."""
+  return float(rc.kl_coef) > 0 or bool(rc.get("log_kl_ref", True))
+
+
+def loss_for(rc, policy_cfg, dc):
+  """The GRPO step's loss (`grpo.grpo_loss`) of `policy_cfg` under section `rc`, replaying the
+  rollouts' decoding distribution (DecodeConfig `dc`)."""
+  dist = dict(temperature=dc.temperature, top_k=dc.top_k, top_p=dc.top_p, mask_id=dc.mask_token_id)
+  return functools.partial(grpo.grpo_loss, policy_cfg, block_size=dc.block_size, objective=grpo.Objective(
+      clip_low=float(rc.clip_eps), clip_high=float(rc.clip_eps_high), kl_coef=float(rc.kl_coef)), **dist)
+
+
+def step_config(config, rc):
+  """The train section of a GRPO stage's step: the rows of every draw it may make (dynamic
+  sampling: the batch of each draw, in as many more micro-batches), constant lr `rc.lr`."""
+  draws, _ = grpo.sampling_settings(rc)
+  return on_policy.on_policy_config(config, rows=draws * int(rc.prompts_per_step) * int(rc.group_size),
+                                    steps=int(rc.steps), lr=rc.lr, grad_accum=draws * int(rc.grad_accum_steps))

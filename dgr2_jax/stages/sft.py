@@ -27,6 +27,7 @@ from dgr2_jax.stages import contract
 from dgr2_jax.stages import traces as traces_stage
 from dgr2_jax.task import pipeline
 from dgr2_jax.task import tokenizer as tok_lib
+from dgr2_jax.train import config as train_config
 from dgr2_jax.train import loop, losses
 
 
@@ -49,9 +50,19 @@ def model_from_config(model_cfg, vocab_size: int | None = None, pad_id=None, eos
   return mc, (lambda rng: qwen3.init_params(mc, rng))
 
 
+def loss_for(mc, sft_section):
+  """The SFT step's loss of model `mc` with the weights of `train.sft` (`losses.sft_loss`)."""
+  rw, aw = float(sft_section.reasoning_weight), float(sft_section.answer_weight)
+
+  def loss_fn(p, batch, rng):
+    del rng
+    return losses.sft_loss(mc, p, batch, reasoning_weight=rw, answer_weight=aw)
+  return loss_fn
+
+
 def _hash(config, workdir: str, upstream: dict) -> str:
-  return common.config_hash(config.seed, config.model, config.train, config.task, [upstream["traces"]],
-                            workdir=workdir)
+  return common.config_hash(config.seed, config.model, train_config.hashed(config.train), config.task,
+                            [upstream["traces"]], workdir=workdir)
 
 
 def _build(config, workdir: str, build: contract.Build) -> str:
@@ -74,13 +85,8 @@ def _build(config, workdir: str, build: contract.Build) -> str:
   mc, params = model_from_config(config.model, vocab_size=len(tokenizer),
                                  pad_id=tokenizer.pad_token_id, eos_id=tokenizer.convert_tokens_to_ids(tok_lib.IM_END),
                                  shardings=loop.model_shardings(config))
-  rw, aw = float(tc.sft.reasoning_weight), float(tc.sft.answer_weight)
-
-  def loss_fn(p, batch, rng):
-    del rng
-    return losses.sft_loss(mc, p, batch, reasoning_weight=rw, answer_weight=aw)
-
-  state = loop.train(config, train_dir, params=params, loss_fn=loss_fn, batch_iter=batch_iter, desc="sft")
+  state = loop.train(config, train_dir, params=params, loss_fn=loss_for(mc, tc.sft), batch_iter=batch_iter,
+                     desc="sft")
 
   with build.publish({"steps": int(tc.total_steps), "examples": counts}) as tmp:
     model_ckpt.save_model_dir(os.path.join(tmp, "model"), mc, state["params"], tokenizer_src=tok_dir)

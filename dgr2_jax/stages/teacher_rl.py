@@ -17,7 +17,8 @@ from dgr2_jax.stages import contract
 from dgr2_jax.stages import rl as rl_stage
 
 # The RL stage's trainer on the AR teacher: AR rollouts (block size 1, tau 1).
-STAGE = rl_stage.grpo_stage("teacher_rl", decode_overrides={"block_size": 1, "threshold": 1.0})
+AR_ROLLOUTS = {"block_size": 1, "threshold": 1.0}
+STAGE = rl_stage.grpo_stage("teacher_rl", decode_overrides=AR_ROLLOUTS)
 
 
 def run(config, workdir: str) -> str:

@@ -50,6 +50,7 @@ def train_config() -> ml_collections.ConfigDict:
   c.logical_axis_rules = DEFAULT_RULES  # logical axis -> mesh axes (see DEFAULT_RULES above)
 
   c.checkpoint_every = 50  # steps; the final step is always saved
+  c.checkpoint_every_minutes = 0.0  # also save once this many minutes passed since the last save; 0 = off
   c.keep_checkpoints = 2  # most recent checkpoints kept
   c.async_checkpointing = True  # write checkpoints in the background
   c.log_every = 1  # steps between metric records (JSONL/TensorBoard); the progress bar is per step
@@ -60,6 +61,21 @@ def train_config() -> ml_collections.ConfigDict:
   s.answer_weight = 1.0  # loss weight of the answer tokens (JSON ranking + EOS)
   s.epochs = 0  # > 0: train.total_steps = epochs * train examples // batch_size
   c.sft = s
+  return c
+
+
+# `config.train` fields that do not change what a stage trains: left out of the config hashes of the
+# stages that hash the train section, so changing them neither wipes a partial run nor a built stage.
+UNHASHED = ("checkpoint_every_minutes",)
+
+
+def hashed(train) -> ml_collections.ConfigDict:
+  """`train` (a `config.train`) without the `UNHASHED` fields, for a stage's config hash."""
+  c = train.copy_and_resolve_references()
+  with c.unlocked():
+    for k in UNHASHED:
+      if k in c:
+        del c[k]
   return c
 
 
@@ -91,6 +107,9 @@ def validate(config, runs: set) -> None:
     checks.fail("train.batch_size", f"({tr.batch_size}) must be divisible by train.grad_accum_steps "
                 f"({tr.grad_accum_steps})")
   checks.one_of(c, "train", "param_dtype", DTYPES)
+  minutes = tr.get("checkpoint_every_minutes", 0.0)
+  if not isinstance(minutes, (int, float)) or isinstance(minutes, bool) or minutes < 0:
+    checks.fail("train.checkpoint_every_minutes", f"must be a number >= 0 (0 = off), got {minutes!r}")
   if tr.optimizer.schedule not in SCHEDULES:
     checks.fail("train.optimizer.schedule", f"must be one of {list(SCHEDULES)}, got "
                 f"{tr.optimizer.schedule!r}")

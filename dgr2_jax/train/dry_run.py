@@ -12,7 +12,9 @@ configs prints on a laptop CPU. Per device:
     share their sharding; counters replicated);
   * per training stage (sft, teacher_rl, cft, opd, rl): activations, logits (in chunks of
     positions) and OPD's teacher cache, plus the rollout decode, by the formulas of
-    `dgr2_jax/train/memory_plan.py` (the ones benchmarks/stage_memory.py measures on CPU); OPD
+    `dgr2_jax/train/memory_plan.py` (the ones benchmarks/stage_memory.py measures on CPU, and
+    `hardware.compile_for` compares with the compiled programs), with gradient accumulation the
+    gradients' f32 sum (`accumulator_bytes`); OPD
     also holds a frozen copy of the teacher's params (in the compute dtype when the step scores
     the teacher, `opd.frozen_teacher`), and the RL stages one of their starting model (in the
     compute dtype; for the KL to it, `rl.log_kl_ref` or `rl.kl_coef` > 0). The plan fits when
@@ -23,6 +25,8 @@ configs prints on a laptop CPU. Per device:
 The model is `model.init_from`'s config.json when set (weights are not read), else the
 architecture fields of `config.model` (vocab_size 0 => task.demo_vocab_size, an estimate).
 The `hardware` config section is this module's: its defaults (`hardware_config`) and checks (`validate`).
+With `hardware.compile_for` the dry run also compiles every program of the run for that target
+(dgr2_jax/aot/compile_run.py, dispatched by main) and plans for its devices, memory and routes.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
 
 from dgr2_jax import checks
+from dgr2_jax import platform
 from dgr2_jax.model import qwen3
 from dgr2_jax.model.config import Qwen3Config
 from dgr2_jax.train import grpo, memory_plan, opd, optim
@@ -51,8 +56,13 @@ GIB = 2**30
 def hardware_config() -> ml_collections.ConfigDict:
   """What the dry run plans for (dgr2_jax/train/dry_run.py): no devices are needed to plan."""
   c = ml_collections.ConfigDict()
-  c.num_devices = 0          # 0 => jax.device_count()
+  c.num_devices = 0          # 0 => the platform's devices (platform.devices(): a target's, else the host's)
   c.device_memory_gb = 0.0   # 0 => unknown (no fit check)
+  # With dry_run: also compile every program a run executes for this target, on no accelerator
+  # (dgr2_jax/aot/compile_run.py: h100x8, h200x8, h100x8x2, v5p-16, v5e-32, v6e-8, ...; the
+  # compilers: pip install -e ".[aot]"); devices and memory then come from the target. '' = plan only.
+  c.compile_for = ""
+  c.compile_report = ""      # JSON of the compiled programs; '' => <workdir>/compile_<target>.json (no --workdir: none)
   return c
 
 
@@ -65,6 +75,11 @@ def validate(config, runs: set) -> None:
   mem = config.hardware.device_memory_gb
   if isinstance(mem, bool) or not isinstance(mem, (int, float)) or mem < 0:
     checks.fail("hardware.device_memory_gb", f"must be a number >= 0 (0 = unknown), got {mem!r}")
+  for field in ("compile_for", "compile_report"):
+    if not isinstance(config.hardware.get(field, ""), str):
+      checks.fail(f"hardware.{field}", f"must be a string, got {config.hardware.get(field)!r}")
+  if config.hardware.get("compile_for", "") and not config.get("dry_run", False):
+    checks.fail("hardware.compile_for", "compiles ahead of time in a dry run only: add --config.dry_run=True")
 
 
 def model_config_for(config):
@@ -75,7 +90,7 @@ def model_config_for(config):
       raise FileNotFoundError(f"config.model.init_from: no config.json in {m.init_from!r}")
     with open(f) as fh:
       mc = Qwen3Config.from_hf_dict(json.load(fh))
-    return mc.replace(dtype=m.dtype, remat=bool(m.remat)), "init_from"
+    return mc.with_runtime(m), "init_from"   # the runtime fields a run sets (`load_policy`, `model_from_config`)
   fields = {f.name for f in dataclasses.fields(Qwen3Config)}
   kw = {k: v for k, v in m.items() if k in fields}
   src = "config.model"
@@ -148,14 +163,35 @@ def step_bytes(config, mc, stage: str, num_devices: int) -> dict:
   st = state_bytes(config, mc, num_devices)
   row = memory_plan.plan_stage(config, mc, stage, st["dims"])
   row.update(params=st["params"], optimizer=st["optimizer"], gradients=st["gradients"],
-             frozen_teacher=frozen_bytes(st, stage))
-  row["train_step"] = st["params"] + st["optimizer"] + st["gradients"] + row["frozen_teacher"] + row["total"]
+             frozen_teacher=frozen_bytes(st, stage), accumulator=accumulator_bytes(st, row))
+  row["train_step"] = (st["params"] + st["optimizer"] + st["gradients"] + row["accumulator"] + row["frozen_teacher"]
+                       + row["total"])
   return row
+
+
+def accumulator_bytes(st: dict, row: dict) -> int:
+  """Gradient accumulation's sum (`loop.make_train_step`: f32, sharded as the params) beside each
+  micro-batch's gradients; 0 with one micro-batch."""
+  return st["gradients"] if row["micro_batches"] > 1 else 0
+
+
+def decode_bytes(config, mc, rows: int, num_devices: int) -> int:
+  """One decoder's params (in the compute dtype) and KV cache for `rows` rows of task.prompt_len +
+  decode.max_new_tokens slots, per device on `decode.mesh` over `num_devices`: the params and the
+  cache's kv heads over its tensor axis (kv heads that do not divide: replicated), rows over data."""
+  from dgr2_jax.decode import mesh as dmesh
+  dec = config.get("decode")
+  data, tensor = dmesh.mesh_shape(dec.get("mesh", None) if dec is not None else None, num_devices)
+  d = _dtype_bytes(mc.param_dtype if mc.dtype == "auto" else mc.dtype)
+  slots = int(config.task.prompt_len) + (int(dec.max_new_tokens) if dec is not None else int(config.task.response_len))
+  kv_split = tensor if mc.num_key_value_heads % tensor == 0 else 1
+  kv = mc.num_hidden_layers * 2 * math.ceil(rows / data) * slots * mc.num_key_value_heads * mc.head_dim * d
+  return int(qwen3.count_params(qwen3.param_shapes(mc)) * d / tensor + kv / kv_split)
 
 
 def plan(config) -> dict:
   mc, src = model_config_for(config)
-  n_dev = int(config.hardware.num_devices) or jax.device_count()
+  n_dev = int(config.hardware.num_devices) or len(platform.devices())
   tc = config.train
   st = state_bytes(config, mc, n_dev)
   dims, n_params = st["dims"], st["num_params"]
@@ -172,7 +208,8 @@ def plan(config) -> dict:
     row = memory_plan.plan_stage(config, mc, st_name, dims)
     teacher = frozen_bytes(st, st_name)  # a frozen teacher/ref copy
     row["frozen_teacher"] = teacher
-    row["total_train"] = params_b + opt_b + grads_b + teacher + max(row["total"], row["decode"])
+    row["accumulator"] = accumulator_bytes(st, row)
+    row["total_train"] = params_b + opt_b + grads_b + teacher + max(row["total"] + row["accumulator"], row["decode"])
     stages.append(row)
   total = max([r["total_train"] for r in stages] or [params_b + opt_b + grads_b])
 
@@ -221,12 +258,15 @@ def format_plan(p: dict) -> str:
   if p["stages"]:
     lines.append("  per training stage (rows x sequence per device and micro-batch; logits in chunks of positions):")
     lines.append(f"    {'stage':<11}{'rows x T':>13}{'activations':>14}{'logits':>13}{'teacher cache':>15}"
-                 f"{'rollout decode':>16}{'total':>13}  fits")
+                 f"{'other':>13}{'rollout decode':>16}{'total':>13}  fits")
     for r in p["stages"]:
       fits = "-" if not cap else ("yes" if r["total_train"] <= cap else "NO")
+      other = r["accumulator"] + r["attention_copies"] + r["embedding_gradient"]
       lines.append(f"    {r['stage']:<11}{str(r['rows_per_device']) + ' x ' + str(r['sequence']):>13}"
-                   f"{g(r['activations']):>14}{g(r['logits']):>13}{g(r['teacher_cache']):>15}"
+                   f"{g(r['activations']):>14}{g(r['logits']):>13}{g(r['teacher_cache']):>15}{g(other):>13}"
                    f"{g(r['decode']):>16}{g(r['total_train']):>13}  {fits}")
+    lines.append("    (other: gradient accumulation's sum, the input embedding's dense gradient and, on the cuDNN "
+                 "route, the multi-stream layout's context copies)")
   lines.append(f"  total (largest stage) {g(pd['total_train'])}")
   if cap:
     lines.append(f"  device       {g(cap)}  -> {'fits' if p['fits'] else 'DOES NOT FIT'} "

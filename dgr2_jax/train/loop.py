@@ -25,12 +25,15 @@ state donated; the state owns its arrays, so the caller's `params` are never don
 automatic: `train` restores the latest checkpoint under `<workdir>/checkpoints` if there is one
 and continues to `train.total_steps`. With several processes each process's iterator state is
 saved (`checkpoint.gather_data_state`) and a resume under another process count is refused.
-A non-finite loss stops the run with FloatingPointError naming the step; nothing is saved for that
-step, so the last good checkpoint stays the latest.
+Validation's curve and keep_best's point are saved too, so a resumed run ends as an uninterrupted
+one. A preemption notice (SIGTERM) saves the step in flight on every process and ends the process
+with status 75 (`preemption`). A non-finite loss stops the run with FloatingPointError naming the
+step; nothing is saved for that step, so the last good checkpoint stays the latest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -44,10 +47,13 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from dgr2_jax import platform
+from dgr2_jax import multihost
 from dgr2_jax.train import checkpoint as ckpt_lib
 from dgr2_jax.train import mesh as mesh_lib
 from dgr2_jax.train import metrics as metrics_lib
 from dgr2_jax.train import optim
+from dgr2_jax.train import preemption
 
 LossFn = Callable[[Any, dict, jax.Array], tuple[jax.Array, dict]]
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -106,13 +112,19 @@ def _split_micro(x, k):
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, grad_accum_steps: int = 1,
-                    micro_batch_sharding: NamedSharding | None = None, with_frozen: bool = False):
+                    micro_batch_sharding: NamedSharding | None = None, with_frozen: bool = False,
+                    grad_sharding=None):
   """-> train_step(state, batch) -> (new state, metrics dict of f32 scalars).
 
   `with_frozen`: train_step(state, batch, frozen) passes a pytree that is not trained (e.g. a
-  teacher's params) to `loss_fn(params, batch, rng, frozen)`; it gets no gradient."""
+  teacher's params) to `loss_fn(params, batch, rng, frozen)`; it gets no gradient.
+  `grad_sharding` (the params' NamedShardings): each micro-batch's gradients are pinned to it."""
   k = int(grad_accum_steps)
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  # Inside the cond that skips a micro-batch XLA does not carry the params' shardings over to the
+  # gradients: a scanned stack's backward then holds every layer's gradient whole (FSDP: the
+  # model's f32 gradients on every device, compiled programs), unless they are pinned.
+  pin = (lambda g: g) if grad_sharding is None else (lambda g: jax.lax.with_sharding_constraint(g, grad_sharding))
 
   def loss_and_grads(params, batch, rng, frozen):
     extra = (frozen,) if with_frozen else ()
@@ -134,12 +146,12 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation,
       (loss, aux), grads = grad_fn(params, mb, jax.random.fold_in(rng, i), *extra)
       aux = dict(aux)
       d = jnp.asarray(aux.pop("denominator", 1.0), jnp.float32)
-      return loss.astype(jnp.float32), {n: jnp.asarray(v, jnp.float32) for n, v in aux.items()}, grads, d
+      return loss.astype(jnp.float32), {n: jnp.asarray(v, jnp.float32) for n, v in aux.items()}, pin(grads), d
 
     def no_grads(mb, i):
       del mb, i
       return (jnp.zeros((), jnp.float32), {n: jnp.zeros((), jnp.float32) for n in aux_shape if n != "denominator"},
-              jax.tree_util.tree_map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
+              pin(jax.tree_util.tree_map(jnp.zeros_like, params)), jnp.zeros((), jnp.float32))
 
     def body(carry, xs):
       i, mb = xs
@@ -290,7 +302,7 @@ def _setup(config, params, mesh) -> _Setup:
     raise ValueError(f"train.param_dtype must be one of {sorted(_DTYPES)}, got {tc.param_dtype!r}")
   master_dtype = _DTYPES[tc.param_dtype]
   if mesh is None:
-    mesh_lib.check_batch_size(gb, tc.mesh, jax.device_count(), jax.process_count(), grad_accum_steps=k)
+    mesh_lib.check_batch_size(gb, tc.mesh, len(platform.devices()), platform.process_count(), grad_accum_steps=k)
   mesh = mesh if mesh is not None else mesh_lib.make_mesh(tc.mesh)
   rules = tuple(tc.logical_axis_rules)
   optimizer, schedule = optim.make_optimizer(tc.optimizer, total)
@@ -304,19 +316,51 @@ def _setup(config, params, mesh) -> _Setup:
                 mesh_lib.batch_sharding(mesh, rules, gb))
 
 
+def _jit_step(su: _Setup, loss_fn: LossFn, rules, frozen):
+  """-> (step(state, batch[, frozen]) jitted with the state's shardings and the state donated, the
+  shardings of `frozen` (its parameter shardings; None without one)). `frozen`: arrays or shapes."""
+  mb_sh = mesh_lib.batch_sharding(su.mesh, rules, su.batch_size // su.grad_accum) if su.grad_accum > 1 else None
+  step = make_train_step(loss_fn, su.optimizer, su.schedule, su.grad_accum, mb_sh, with_frozen=frozen is not None,
+                         grad_sharding=su.shardings["params"])
+  out_sh = (su.shardings, NamedSharding(su.mesh, P()))
+  if frozen is None:
+    return jax.jit(step, in_shardings=(su.shardings, su.batch_sharding), out_shardings=out_sh,
+                   donate_argnums=(0,)), None
+  f_sh = mesh_lib.param_shardings(jax.eval_shape(lambda x: x, frozen), su.mesh, rules)
+  return jax.jit(step, in_shardings=(su.shardings, su.batch_sharding, f_sh), out_shardings=out_sh,
+                 donate_argnums=(0,)), f_sh
+
+
 def _compile_step(su: _Setup, loss_fn: LossFn, rules, frozen):
   """-> step_fn(state, batch) jitted with the state's shardings and the state donated. `frozen`
   (not None) is placed once with its parameter shardings and passed to every step."""
-  mb_sh = mesh_lib.batch_sharding(su.mesh, rules, su.batch_size // su.grad_accum) if su.grad_accum > 1 else None
-  step = make_train_step(loss_fn, su.optimizer, su.schedule, su.grad_accum, mb_sh, with_frozen=frozen is not None)
-  out_sh = (su.shardings, NamedSharding(su.mesh, P()))
+  jitted, f_sh = _jit_step(su, loss_fn, rules, frozen)
   if frozen is None:
-    return jax.jit(step, in_shardings=(su.shardings, su.batch_sharding), out_shardings=out_sh, donate_argnums=(0,))
-  f_sh = mesh_lib.param_shardings(jax.eval_shape(lambda x: x, frozen), su.mesh, rules)
+    return jitted
   frozen = jax.device_put(frozen, f_sh)
-  jitted = jax.jit(step, in_shardings=(su.shardings, su.batch_sharding, f_sh), out_shardings=out_sh,
-                   donate_argnums=(0,))
   return lambda st, b: jitted(st, b, frozen)
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractStep:
+  """The step `train` runs, as shapes (`abstract_step`): compiled ahead of time by dgr2_jax/aot."""
+  fn: Any                        # jitted step(state, batch[, frozen]), as `train` jits it
+  state: dict                    # the train state's ShapeDtypeStructs, each with its sharding
+  batch_sharding: NamedSharding  # every batch field's (rows over the 'batch' rule's axes)
+  frozen: Any = None             # the frozen pytree's ShapeDtypeStructs with their shardings, or None
+
+
+def abstract_step(config, params, loss_fn: LossFn, frozen=None) -> AbstractStep:
+  """What `train(config, ..., params=params, loss_fn=loss_fn, frozen=frozen)` jits, from shapes:
+  `params` and `frozen` may be ShapeDtypeStructs, nothing is placed or allocated. The mesh is
+  `config.train.mesh` over the platform's devices (a compile-only target's inside
+  `aot.targets.compile_for`)."""
+  su = _setup(config, params, None)
+  fn, f_sh = _jit_step(su, loss_fn, tuple(config.train.logical_axis_rules), frozen)
+  placed = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+  state = jax.tree_util.tree_map(placed, su.shapes, su.shardings)
+  frozen = None if frozen is None else jax.tree_util.tree_map(placed, jax.eval_shape(lambda x: x, frozen), f_sh)
+  return AbstractStep(fn, state, su.batch_sharding, frozen)
 
 
 def _resume_data(data, data_state: dict, start: int, workdir: str) -> None:
@@ -376,6 +420,21 @@ class _Validator:
     self.curve.append({"step": step, **vm})
     return vm
 
+  def saved(self) -> dict:
+    """The curve, the first point's hits, the keep bar and the best point's key and step, for the
+    checkpoint (`train` saves the best point's params beside the train state)."""
+    best = None if self.best is None else {"key": None if self.best[0] is None else list(self.best[0]),
+                                          "step": self.best[1]}
+    return {"curve": self.curve, "start_hits": self.start_hits, "bar": self.bar, "best": best}
+
+  def restore(self, saved: dict, best_params) -> None:
+    """Continues the curve of a checkpoint's `saved()`: the same first point, bar and best point,
+    so a resumed run keeps what an uninterrupted run keeps."""
+    self.curve, self.start_hits, self.bar = list(saved["curve"]), saved["start_hits"], float(saved["bar"])
+    b = saved["best"]
+    if b is not None:
+      self.best = (None if b["key"] is None else tuple(b["key"]), int(b["step"]), best_params)
+
   def finish(self, state: dict) -> dict:
     if self.best is not None:
       state = dict(state, params=self.best[2])
@@ -399,9 +458,13 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
   returned state's `valid_curve`. `keep_best` returns the params of the best point among those
   that beat the curve's first point by `keep_bar` paired standard errors (the highest
   `valid_recall@1`, ties broken by the higher `valid_valid_rate`, then the earliest step), else
-  the first point's (`Validation`); it holds one more copy of the params on the devices, and a
-  resumed run's curve, and so the point it must beat, starts at the resumed step. With
-  `validation` the state also has `best_step` and `keep_bar_se` (None unless keep_best).
+  the first point's (`Validation`); it holds one more copy of the params on the devices (saved in
+  every checkpoint with the curve, so a resumed run keeps the same point). With `validation` the
+  state also has `best_step` and `keep_bar_se` (None unless keep_best).
+  Saves every `train.checkpoint_every` steps, at least every `train.checkpoint_every_minutes`
+  (0 = off) and at the last step. On a preemption notice (SIGTERM; `preemption`) every process
+  saves the same step and `preemption.Preempted` is raised: uncaught, the process exits with
+  status `preemption.EXIT_STATUS` (75), and the same call again resumes from that step.
   Returns the final train-state dict (sharded jax arrays).
   """
   if (batch_iter is None) == (step_batches is None):
@@ -410,55 +473,96 @@ def train(config, workdir: str, *, params, loss_fn: LossFn, batch_iter: Iterable
   tc = config.train
   su = _setup(config, params, mesh)
   total, gb = su.total, su.batch_size
-  manager = ckpt_lib.make_manager(workdir, tc.keep_checkpoints, tc.async_checkpointing)
-  start = manager.latest_step()
-  if start is not None:
-    state, data_state = ckpt_lib.restore(manager, start, ckpt_lib.abstract_like(su.shapes, su.shardings))
-    _resume_data(source.data, data_state, start, workdir)
-    logging.info("%s: resumed from step %d in %s", desc, start, workdir)
-  else:
-    start = 0
-    state = init_state(params, su.optimizer, su.shardings, config.seed, su.master_dtype)
-
-  step_fn = _compile_step(su, loss_fn, tuple(tc.logical_axis_rules), frozen)
-  writer = metrics_lib.MetricsWriter(workdir, total, start, bool(tc.tensorboard),
-                                     jax.process_index() == 0, desc)
   val = _Validator(validation) if validation is not None else None
-  if val is not None:
-    val.plan(start, total)
-  log_every, ckpt_every = max(int(tc.log_every), 1), max(int(tc.checkpoint_every), 1)
-  last_saved = start if start else None
-  t0, t_steps = time.perf_counter(), 0
-  try:
-    if val is not None and val.active:   # the first point: the starting params
-      logging.info("%s: step %d validation %s", desc, start, val.run(state["params"], start))
-    for s in range(start + 1, total + 1):
-      try:
-        batch, host_m = source.make(state["params"], s)
-      except StopIteration:
-        raise ValueError(f"the batch iterator ended before step {s} of train.total_steps={total}") from None
-      t1 = time.perf_counter()
-      m = {}
-      if batch is not None:
-        state, m = step_fn(state, mesh_lib.shard_batch(batch, su.batch_sharding, gb))
-        m = {n: float(v) for n, v in jax.device_get(m).items()}
-      m.update(host_m)
-      m["update_time_s"] = time.perf_counter() - t1
-      t_steps += 1
-      stop_if_not_finite(m, s, total, desc, writer, manager, last_saved)
-      validate = val is not None and val.due(s, total)
-      if validate or s % log_every == 0 or s == total:
-        m["steps_per_sec"] = t_steps / max(time.perf_counter() - t0, 1e-9)
-        if validate:
-          m.update(val.run(state["params"], s))
-        writer.write(s, m)
-        t0, t_steps = time.perf_counter(), 0
-      writer.bar(s, m)
-      if s % ckpt_every == 0 or s == total:
-        ckpt_lib.save(manager, s, state, ckpt_lib.gather_data_state(iter_state(source.data)))
-        last_saved = s
-    manager.wait_until_finished()
-  finally:
-    writer.close()
-    manager.close()
+  manager = ckpt_lib.make_manager(workdir, tc.keep_checkpoints, tc.async_checkpointing)
+  # From here until the last write has committed, SIGTERM is a preemption notice (preemption.py).
+  with preemption.Watch(manager) as watch, contextlib.closing(manager):
+    start = manager.latest_step()
+    if start is not None:
+      abstract = ckpt_lib.abstract_like(su.shapes, su.shardings)
+      if "best" in manager.item_metadata(start)["state"]:   # keep_best's point (`_Validator.saved`)
+        abstract["best"] = abstract["params"]
+      state, data_state, extra = ckpt_lib.restore(manager, start, abstract)
+      best = state.pop("best", None)
+      _resume_data(source.data, data_state, start, workdir)
+      if val is not None and extra.get("validation"):
+        val.restore(extra["validation"], best)
+      logging.info("%s: resumed from step %d in %s", desc, start, workdir)
+    else:
+      start = 0
+      state = init_state(params, su.optimizer, su.shardings, config.seed, su.master_dtype)
+    if watch.outside_steps(start):   # a notice before the first step: nothing new to save
+      _stop(manager, start, desc)
+
+    step_fn = _compile_step(su, loss_fn, tuple(tc.logical_axis_rules), frozen)
+    writer = metrics_lib.MetricsWriter(workdir, total, start, bool(tc.tensorboard),
+                                       jax.process_index() == 0, desc)
+    if val is not None and not val.curve:
+      val.plan(start, total)
+    log_every, ckpt_every = max(int(tc.log_every), 1), max(int(tc.checkpoint_every), 1)
+    clock = preemption.Clock(float(tc.get("checkpoint_every_minutes", 0.0)))
+    last_saved = start if start else None
+    t0, t_steps = time.perf_counter(), 0
+    try:
+      if val is not None and val.active and not val.curve:   # the first point: the starting params
+        logging.info("%s: step %d validation %s", desc, start, val.run(state["params"], start))
+      for s in range(start + 1, total + 1):
+        try:
+          batch, host_m = source.make(state["params"], s)
+        except StopIteration:
+          raise ValueError(f"the batch iterator ended before step {s} of train.total_steps={total}") from None
+        t1 = time.perf_counter()
+        m = {}
+        if batch is not None:
+          state, m = step_fn(state, mesh_lib.shard_batch(batch, su.batch_sharding, gb))
+          m = {n: float(v) for n, v in jax.device_get(m).items()}
+        m.update(host_m)
+        m["update_time_s"] = time.perf_counter() - t1
+        t_steps += 1
+        stop_if_not_finite(m, s, total, desc, writer, manager, last_saved)
+        validate = val is not None and val.due(s, total)
+        if validate or s % log_every == 0 or s == total:
+          m["steps_per_sec"] = t_steps / max(time.perf_counter() - t0, 1e-9)
+          if validate:
+            m.update(val.run(state["params"], s))
+          writer.write(s, m)
+          t0, t_steps = time.perf_counter(), 0
+        writer.bar(s, m)
+        # Every process asks both at every step (collectives); either saves this step.
+        preempted, timed = watch.reached(s), clock.due()
+        if s % ckpt_every == 0 or s == total or preempted or timed:
+          _save(manager, s, state, source, val)
+          last_saved = s
+          clock.saved()
+        if preempted:
+          _stop(manager, s, desc)
+      manager.wait_until_finished()
+      if watch.outside_steps(total):   # a notice during the last step: every step is saved
+        _stop(manager, total, desc)
+    finally:
+      writer.close()
   return state if val is None else val.finish(state)
+
+
+def _save(manager, step: int, state: dict, source: StepBatches, val: _Validator | None) -> None:
+  """Starts the save of `step`: the train state, every process's data position and (validation)
+  the curve and keep_best's point, so that a resumed run continues exactly."""
+  extra = None
+  if val is not None and val.curve:
+    extra = {"validation": val.saved()}
+    if val.best is not None:
+      state = dict(state, best=val.best[2])
+  ckpt_lib.save(manager, step, state, ckpt_lib.gather_data_state(iter_state(source.data)), extra)
+
+
+def _stop(manager, step: int, desc: str):
+  """The preemption exit: waits for the pending writes to commit, then raises `Preempted` (exit
+  status `preemption.EXIT_STATUS` when uncaught)."""
+  manager.wait_until_finished()
+  # No process exits before every one has committed (a launcher may kill the rest at the first exit).
+  multihost.barrier("preemption.saved")
+  if jax.process_index() == 0:
+    saved = f"step {step} is saved in {manager.directory}" if manager.latest_step() == step else "no step yet"
+    print(f"{desc}: preempted; {saved}; exiting with status {preemption.EXIT_STATUS} (run the same "
+          "command again to resume)", flush=True)
+  raise preemption.Preempted(step, str(manager.directory))

@@ -4,11 +4,17 @@ One plan for the dry run (`dgr2_jax/train/dry_run.py`: the 8-GPU plans of the pa
 `benchmarks/stage_memory.py` (measured against it on CPU at Qwen3's vocabulary). Terms, bytes per
 device for one optimizer step, with rows = micro-batch rows on this device (train.batch_size /
 grad_accum_steps / (data * fsdp)) and T = the stage's sequence:
-  * activations: T x per-token bytes per layer; with remat each layer keeps its input (E values)
-    and one layer at a time its full set (~5E + 2(q + kv) + 3I values), without remat every layer
-    keeps the full set. Attention adds, per layer kept, 'xla': two [heads, T, T] f32 maps (scores
-    and probabilities); 'blockwise'/'cudnn': O(T) (the log-sum-exp and output), with a transient
-    q_block x k_block tile.
+  * activations: T x per-token bytes per layer; with remat in a scanned stack (`scan_layers`) each
+    layer keeps its input (E values) and one layer at a time its full set (~5E + 2(q + kv) + 3I
+    values); an unrolled stack keeps every layer's full set, with remat too (XLA runs every
+    layer's recomputed forward ahead of the backward pass: the compiled programs of
+    dgr2_jax/aot/compile_run.py). Attention adds, per layer kept, 'xla': two [heads, T, T] f32
+    maps (scores and probabilities); the other routes O(T) (the log-sum-exp and output), with a
+    transient tile. The route is the one 'auto' takes on the platform built for (a compile-only
+    target's in `compile_for`, else the host's).
+  * attention copies ('cudnn', CFT / OPD / RL): the multi-stream layout's context keys and values
+    copied per clean block and per group of canvases (`context_copies`).
+  * the input embedding's gradient: dense [V, E] in the compute dtype, whole on every device.
   * logits: the vocabulary terms run in chunks of `positions_per_chunk` positions
     (model/logits.py); a loss and its gradient hold ~LOGIT_ARRAYS [chunk, V] f32 arrays at once
     (measured: XLA's temporary memory of the compiled OPD step is 5.3 chunks).
@@ -16,6 +22,9 @@ grad_accum_steps / (data * fsdp)) and T = the stage's sequence:
     `opd.teacher_cache` ('full' 4V, 'topk' 8k + 4, 'none' 0).
   * decode (rollouts, eval): the KV cache, rows x (P + R) x layers x 2 x kv heads x head_dim in
     the compute dtype, and a [rows, B, V] chunk of logits.
+The dry run adds the state (params, optimizer, gradients, frozen copies) and, with gradient
+accumulation, the gradients' f32 sum. On H100 x8 the training steps of the Qwen3-0.6B and -8B
+presets compile within 6% of the plan (docs/accelerators.md).
 Sequences: SFT and the AR teacher's RL `P + R`; CFT `P + 2R` (prompt, clean, one canvas per block);
 OPD and RL replay `P + R + R/B * cap * B` (cap = replay canvases per block).
 """
@@ -27,6 +36,7 @@ import math
 from dgr2_jax.model import logits as logits_lib
 
 LOGIT_ARRAYS = 6          # [chunk, V] f32 arrays a chunked loss + gradient holds at once
+CONTEXT_COPIES = 6        # cuDNN multi-stream: context-sized k/v copies alive at once (`context_copies`)
 TRAIN_STAGES = ("sft", "teacher_rl", "cft", "opd", "rl")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -75,10 +85,16 @@ def plan_stage(config, mc, stage: str, dims: tuple[int, int, int]) -> dict:
   kv = mc.num_key_value_heads * mc.head_dim / tensor
   heads = max(1, mc.num_attention_heads // tensor)
   full_layer = (5 * h + 2 * (q + kv) + 3 * inter / tensor) * d      # bytes per token
-  impl = mc.attention_impl if mc.attention_impl != "auto" else "blockwise"
+  impl = attention_route(mc)
   attn_map = (2 * heads * t * 4) if impl == "xla" else (2 * heads * 4)  # per token, per kept layer
-  kept = 1 if mc.remat else mc.num_hidden_layers
+  # Rematerialisation holds one layer's set at a time only in a scanned stack: unrolled, XLA runs
+  # every layer's recomputed forward ahead of the backward and holds them all (compiled programs).
+  kept = 1 if mc.remat and mc.scan_layers else mc.num_hidden_layers
   act = rows * t * (mc.num_hidden_layers * h * d + kept * (full_layer + attn_map))
+  copies = context_copies(config, mc, stage, rows, tensor) if impl == "cudnn" else 0
+  # The input embedding's gradient: the lookup's scatter into a dense [V, E] array in the compute
+  # dtype, whole on every device until it is reduced (compiled programs).
+  embed_grad = mc.vocab_size * h * d
   n_pos = rows * lay["loss"]
   chunk = logits_lib.positions_per_chunk(mc.vocab_size, n_pos, getattr(mc, "logits_chunk", 0))
   logits = LOGIT_ARRAYS * chunk * math.ceil(mc.vocab_size / tensor) * 4
@@ -99,5 +115,29 @@ def plan_stage(config, mc, stage: str, dims: tuple[int, int, int]) -> dict:
     per = logits_lib.CHUNK_ELEMENTS // max(window * mc.vocab_size, 1) or 1
     decode = int(kvc + 4 * min(per, dec_rows) * window * mc.vocab_size * 4)
   return dict(stage=stage, rows_per_device=rows, micro_batches=lay["micro"], sequence=t, attention=impl,
-              activations=int(act), logits=int(logits), logits_chunk=chunk, teacher_cache=int(cache),
-              decode=decode, total=int(act + logits + cache))
+              activations=int(act), attention_copies=int(copies), embedding_gradient=int(embed_grad),
+              logits=int(logits), logits_chunk=chunk, teacher_cache=int(cache), decode=decode,
+              total=int(act + copies + embed_grad + logits + cache))
+
+
+def attention_route(mc) -> str:
+  """The route a training step's attention takes: the config's, 'auto' as the platform built for
+  resolves it (model/attention.py `auto_impl`: cuDNN on GPUs, the TPU kernels on TPUs, blockwise
+  elsewhere; a compile-only target's inside `aot.targets.compile_for`)."""
+  from dgr2_jax import platform
+  from dgr2_jax.model import attention
+  return mc.attention_impl if mc.attention_impl != "auto" else attention.auto_impl(1, 1, None, platform.backend())
+
+
+def context_copies(config, mc, stage: str, rows: int, tensor: int) -> int:
+  """The cuDNN route's copies of the multi-stream layout's context (model/attention.py
+  `_cudnn_streams`: each clean block, and each group of as many segments, attends to its own copy
+  of the [prompt | clean] keys and values): CONTEXT_COPIES such arrays of rows x blocks x (P + R)
+  x kv width, beside one layer's set. SFT and the AR teacher's stages have no such layout."""
+  if stage in ("sft", "teacher_rl"):
+    return 0
+  bsz = int(config.cft.block_size) if stage == "cft" else int(config.decode.block_size)
+  p, r = int(config.task.prompt_len), int(config.task.response_len)
+  d = _DTYPE_BYTES[mc.param_dtype if mc.dtype == "auto" else mc.dtype]
+  kv = mc.num_key_value_heads * mc.head_dim / tensor
+  return int(CONTEXT_COPIES * rows * (r // bsz) * (p + r) * kv * d) if bsz > 1 else 0

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from dgr2_jax import platform
 # The logical-axis rules -> shardings live below training and decoding, which both use them.
 from dgr2_jax.model.sharding import _rules_dict, logical_to_spec, param_shardings  # noqa: F401
 
@@ -60,8 +61,9 @@ def check_batch_size(batch_size: int, mesh_cfg, num_devices: int, num_processes:
 
 
 def make_mesh(mesh_cfg, devices: Sequence[Any] | None = None) -> Mesh:
-  """A ("data", "fsdp", "tensor") mesh over `devices` (default: all global devices)."""
-  devices = list(jax.devices() if devices is None else devices)
+  """A ("data", "fsdp", "tensor") mesh over `devices` (default: all global devices of the platform
+  built for, `platform.devices()`: a compile-only target's inside `platform.target`)."""
+  devices = list(platform.devices() if devices is None else devices)
   shape = mesh_shape(mesh_cfg, len(devices))
   try:
     from jax.experimental import mesh_utils  # topology-aware order on accelerators

@@ -51,6 +51,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dgr2_jax import multihost
+from dgr2_jax import platform
 from dgr2_jax.decode import sampler
 from dgr2_jax.train import loop
 from dgr2_jax.train import replay
@@ -111,7 +112,7 @@ def global_rows_sharding(params) -> NamedSharding:
   if isinstance(sh, NamedSharding):
     axes = tuple(a for a in ("data", "fsdp") if a in sh.mesh.shape and sh.mesh.shape[a] > 1)
     return NamedSharding(sh.mesh, P(axes or None))
-  mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("rows",))
+  mesh = jax.sharding.Mesh(np.asarray(platform.devices()), ("rows",))
   return NamedSharding(mesh, P("rows"))
 
 
