@@ -1,7 +1,9 @@
 """The recovery figure: what each stage after the conversion gets back, from a gap made on purpose.
 
   python benchmarks/recovery.py --config=configs/demo.py --workdir=/tmp/dgr2_demo \
-      [--fractions=0.25,0.5,1.0] [--splits=valid,test] [--out=benchmarks/results/recovery_demo.json]
+      [--fractions=0.25,0.5,1.0] [--splits=valid,test] [--out=benchmarks/results/recovery_demo.json] \
+      [--docs=docs/results.md]
+  python benchmarks/recovery.py --render=benchmarks/results/recovery_demo.json --docs=docs/results.md
 
 A machine whose CFT lands at the teacher shows nothing of OPD and RL. This script makes the gap:
 for each fraction f of `cft.steps` it runs CFT for f x its steps, then OPD and RL from it exactly as
@@ -14,11 +16,14 @@ writes to `--out`:
   * OPD: the Recall@1 OPD adds to CFT, and its share of the gap (the CI resamples users jointly);
   * RL: the Recall@1 RL adds to OPD, and the share of the gap CFT + OPD + RL closes; OPD's and
     RL's kept step (0 = kept its start).
-`tools/ladder_table.py recovery` renders the JSON into docs/results.md.
+`--docs` writes the table (with the commit, command and machine that produced it) between the
+doc's `<!-- recovery-<name>-table -->` markers, name the config file's stem; `--render` rewrites
+it from a recorded JSON without running anything.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -42,6 +47,8 @@ _FRACTIONS = flags.DEFINE_list("fractions", ["0.25", "0.5", "1.0"], "fractions o
 _SPLITS = flags.DEFINE_list("splits", ["valid", "test"], "held-out splits to evaluate on")
 _MAX = flags.DEFINE_integer("max_examples", 0, "users per split (0 = every user whose target is listed)")
 _OUT = flags.DEFINE_string("out", "", "JSON path for the figure ('' = print only)")
+_DOCS = flags.DEFINE_string("docs", "", "a doc whose recovery table to rewrite ('' = none)")
+_RENDER = flags.DEFINE_string("render", "", "a recorded JSON to render into --docs (runs nothing)")
 
 UPSTREAM = ("data", "sids", "retriever", "traces", "sft", "teacher_rl", "convert")
 ROWS = (("ar", "teacher_rl"), ("cft", "cft"), ("cft_opd", "opd"), ("cft_opd_rl", "rl"))
@@ -129,6 +136,10 @@ def kept_step(workdir: str, stage: str):
 
 def main(argv):
   del argv
+  if _RENDER.value:
+    with open(_RENDER.value) as f:
+      write_docs(json.load(f), _DOCS.value, _RENDER.value)
+    return
   main_lib.quiet_logs(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)
   config, workdir = _CONFIG.value, _WORKDIR.value
   rows = []
@@ -142,12 +153,43 @@ def main(argv):
              "rl_kept_step": kept_step(wd, "rl"), **figure(hits(config, wd, split, _MAX.value))}
       rows.append(row)
       print(render([row]), flush=True)
-  record = {"command": " ".join(sys.argv), "commit": results.git_commit(), "machine": results.cpu_info(),
-            "config_hash": None, "rows": rows}
+  record = {"command": " ".join(["python benchmarks/recovery.py"] + sys.argv[1:]), "commit": results.git_commit(),
+            "name": config_name(), "machine": results.cpu_info(), "cores": os.cpu_count(), "rows": rows}
   if _OUT.value:
     fileio.write_json_atomic(_OUT.value, record)
     print(f"wrote {_OUT.value}")
   print(render(rows))
+  if _DOCS.value:
+    write_docs(record, _DOCS.value, _OUT.value)
+
+
+def config_name() -> str:
+  """The --config file's stem ('demo', 'beauty_cpu'): the doc markers' name."""
+  for a in sys.argv[1:]:
+    if a.startswith("--config="):
+      return os.path.splitext(os.path.basename(a.split("=", 1)[1].split(":")[0]))[0]
+  return "demo"
+
+
+def write_docs(record: dict, doc: str, json_path: str) -> None:
+  """`render(record's rows)` with a sentence naming the commit, command and machine, between the
+  doc's `<!-- recovery-<name>-table -->` markers."""
+  if not doc:
+    raise SystemExit("recovery: --render needs --docs=<the doc to rewrite>")
+  name = record.get("name", "demo")
+  start, end = f"<!-- recovery-{name}-table -->", f"<!-- /recovery-{name}-table -->"
+  with open(doc) as f:
+    text = f.read()
+  if start not in text or end not in text:
+    raise SystemExit(f"recovery: {doc} has no {start} ... {end} markers")
+  m = record.get("machine") or {}
+  head = (f"Commit `{record['commit']}`, `{record['command']}`, on {record.get('cores', '?')} CPU cores "
+          f"({m.get('cpu_model', '?')}, {m.get('cpu_isa', '?')}); JSON: `{json_path}`. Paired bootstrap 95% "
+          f"intervals over users; a share is of the gap CFT leaves (where CFT is below the teacher).")
+  body = f"{start}\n{head}\n\n{render(record['rows'])}\n{end}"
+  a, b = text.index(start), text.index(end) + len(end)
+  fileio.write_text_atomic(doc, text[:a] + body + text[b:])
+  print(f"wrote {doc}")
 
 
 def render(rows: list[dict]) -> str:

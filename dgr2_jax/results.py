@@ -42,8 +42,9 @@ ISA_FLAGS = ("avx512_bf16", "avx512_vnni", "avx512f", "avx2", "fma", "avx", "sse
 
 
 def cpu_info() -> dict:
-  """{cpu_model, cpu_isa (the widest of ISA_FLAGS the CPU has), cpu_flags (those it has), xla_flags}:
-  what decides the bits a CPU run computes (docs/results.md, "Runs on other machines")."""
+  """{cpu_model, cpu_isa (the widest of ISA_FLAGS the CPU has), cpu_flags (those it has), xla_flags
+  (the `--xla_cpu_*` ones of XLA_FLAGS: the GPU flags decode/xla_flags.py adds change nothing on a
+  CPU)}: what decides the bits a CPU run computes (docs/results.md, "Runs on other machines")."""
   model, flags = platform.processor() or platform.machine(), set()
   try:
     with open("/proc/cpuinfo") as f:
@@ -59,7 +60,7 @@ def cpu_info() -> dict:
     pass
   have = [f for f in ISA_FLAGS if f in flags]
   return {"cpu_model": model, "cpu_isa": have[0] if have else "unknown", "cpu_flags": have,
-          "xla_flags": os.environ.get("XLA_FLAGS", "")}
+          "xla_flags": " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_cpu"))}
 
 
 def machine_info() -> dict:

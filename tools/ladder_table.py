@@ -144,7 +144,8 @@ def record_run(workdir: str, commit: str, ladder: Ladder = LADDERS["demo"]) -> d
   cores = {r["run"]["machine"].get("cpu_count") for r in rows if r.get("run")}
   run = next((r["run"] for r in rows if r.get("run")), {})
   mc = run.get("machine", {})
-  machine = {"cpu_model": mc.get("cpu_model"), "cpu_isa": mc.get("cpu_isa"), "xla_flags": mc.get("xla_flags", ""),
+  cpu_flags = " ".join(f for f in mc.get("xla_flags", "").split() if f.startswith("--xla_cpu"))  # not the GPU ones
+  machine = {"cpu_model": mc.get("cpu_model"), "cpu_isa": mc.get("cpu_isa"), "xla_flags": cpu_flags,
              "jax": run.get("versions", {}).get("jax")}
   keep = ("method", "recall@1", "recall@3", "ndcg@3", "valid_rate", "fallback_rate", "mean_nfe", "n",
           "override_rate", "override_precision", "policy_agreement", "delta_floor", "delta_floor_ci95",
