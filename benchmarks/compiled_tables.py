@@ -24,6 +24,10 @@ import re
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from dgr2_jax import results  # noqa: E402
+
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 KIND = "dgr2-compiled"
 DOCS = {"docs/memory.md": ("decode_memory",), "docs/decoding_accelerator.md": ("decode_bytes",),
@@ -172,26 +176,10 @@ def render(name: str, recs: list) -> str:
   return "\n".join(RENDER[name](recs))
 
 
-def replace_tables(text: str, tables: dict, doc: str = "") -> str:
-  """`text` with the block between each table's markers replaced; a missing pair is an error."""
-  for name, body in tables.items():
-    pat = re.compile(rf"(<!-- compiled-table:{name} -->\n)(?:.*?\n)?(<!-- /compiled-table:{name} -->)", re.S)
-    if not pat.search(text):
-      raise ValueError(f"{doc}: no <!-- compiled-table:{name} --> ... <!-- /compiled-table:{name} --> markers")
-    text = pat.sub(lambda m: m.group(1) + body.rstrip("\n") + "\n" + m.group(2), text)
-  return text
-
-
 def generate(results_dir: str = RESULTS, repo: str = REPO) -> dict:
   """{doc path: (current text, generated text)}."""
   recs = load(results_dir)
-  out = {}
-  for doc, names in DOCS.items():
-    path = os.path.join(repo, doc)
-    with open(path) as f:
-      text = f.read()
-    out[path] = (text, replace_tables(text, {n: render(n, recs.get(n, [])) for n in names}, doc))
-  return out
+  return results.marked_docs(repo, DOCS, "compiled", lambda n: render(n, recs.get(n, [])))
 
 
 def main(argv=None) -> int:
@@ -200,21 +188,7 @@ def main(argv=None) -> int:
   ap.add_argument("--results", default=RESULTS, help="folder of the compiled results")
   ap.add_argument("--root", default=REPO, help="the checkout whose docs/ to update")
   a = ap.parse_args(sys.argv[1:] if argv is None else argv)
-  stale = []
-  for path, (text, new) in generate(a.results, a.root).items():
-    if text == new:
-      continue
-    if a.check:
-      stale.append(os.path.relpath(path, a.root))
-    else:
-      with open(path, "w") as f:
-        f.write(new)
-      print(f"updated {os.path.relpath(path, a.root)}")
-  if stale:
-    print(f"compiled_tables.py: the compiled tables of {', '.join(stale)} differ from benchmarks/results/*.json; "
-          "run python benchmarks/compiled_tables.py", file=sys.stderr)
-    return 1
-  return 0
+  return results.update_docs(generate(a.results, a.root), a.root, a.check, "compiled_tables.py", "compiled")
 
 
 if __name__ == "__main__":

@@ -21,10 +21,13 @@ import glob
 import json
 import math
 import os
-import re
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from dgr2_jax import results  # noqa: E402
+
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 KIND = "dgr2-gpu-run"
 # doc -> the tables it holds
@@ -206,27 +209,10 @@ def load_records(results_dir: str = RESULTS) -> dict:
   return out
 
 
-def replace_tables(text: str, tables: dict, doc: str = "") -> str:
-  """`text` with the block between each `<!-- gpu-table:NAME -->` and `<!-- /gpu-table:NAME -->`
-  replaced by tables[NAME]. A marker pair missing is an error naming the doc and the table."""
-  for name, body in tables.items():
-    pat = re.compile(rf"(<!-- gpu-table:{name} -->\n)(?:.*?\n)?(<!-- /gpu-table:{name} -->)", re.S)
-    if not pat.search(text):
-      raise ValueError(f"{doc}: no <!-- gpu-table:{name} --> ... <!-- /gpu-table:{name} --> markers")
-    text = pat.sub(lambda m: m.group(1) + body.rstrip("\n") + "\n" + m.group(2), text)
-  return text
-
-
 def generate(results_dir: str = RESULTS, repo: str = REPO) -> dict:
   """{doc path: (current text, generated text)}."""
   records = load_records(results_dir)
-  out = {}
-  for doc, names in DOCS.items():
-    path = os.path.join(repo, doc)
-    with open(path) as f:
-      text = f.read()
-    out[path] = (text, replace_tables(text, {n: render(n, records[n]) for n in names}, doc))
-  return out
+  return results.marked_docs(repo, DOCS, "gpu", lambda n: render(n, records[n]))
 
 
 # ---- collect: the device's sub-runs -> a few JSON files ----------------------------------------------
@@ -291,21 +277,7 @@ def main(argv=None) -> int:
   ap.add_argument("--results", default=RESULTS, help="folder of the recorded runs")
   ap.add_argument("--root", default=REPO, help="the checkout whose docs/ to update")
   a = ap.parse_args(argv)
-  stale = []
-  for path, (text, new) in generate(a.results, a.root).items():
-    if text == new:
-      continue
-    if a.check:
-      stale.append(os.path.relpath(path, a.root))
-    else:
-      with open(path, "w") as f:
-        f.write(new)
-      print(f"updated {os.path.relpath(path, a.root)}")
-  if stale:
-    print(f"gpu_tables.py: the GPU tables of {', '.join(stale)} differ from benchmarks/results/*.json; "
-          "run python benchmarks/gpu_tables.py", file=sys.stderr)
-    return 1
-  return 0
+  return results.update_docs(generate(a.results, a.root), a.root, a.check, "gpu_tables.py", "GPU")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ accepted per verifier pass; the PNG plots Recall@1 against speedup. Every JSON c
 library versions and the
 config hash, so a table is never separated from what produced it. Files are written atomically.
 A benchmark's JSON says where it ran with `run_meta()` (device, versions, `git_commit()`, XLA flags).
+A doc's generated tables sit between `<!-- KIND-table:NAME -->` markers: `marked_docs` regenerates
+them (`replace_marked`), `update_docs` writes (or, with --check, names) the docs whose tables changed.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 import subprocess
+import sys
 from typing import Sequence
 
 from dgr2_jax import fileio
@@ -225,3 +229,48 @@ def write_frontier(out_dir: str, rows: Sequence[dict], m: dict) -> list:
               _header("Speed / accuracy frontier", m) + markdown_table(rows, FRONTIER_COLUMNS))
   plot_frontier(rows, os.path.join(out_dir, "frontier.png"))
   return obj
+
+
+# ---- generated tables in the docs (benchmarks/gpu_tables.py, benchmarks/compiled_tables.py) ------------
+def replace_marked(text: str, tables: dict, kind: str, doc: str = "") -> str:
+  """`text` with the block between each `<!-- {kind}-table:NAME -->` and `<!-- /{kind}-table:NAME -->`
+  replaced by tables[NAME]. A marker pair missing is an error naming the doc and the table."""
+  for name, body in tables.items():
+    pat = re.compile(rf"(<!-- {kind}-table:{name} -->\n)(?:.*?\n)?(<!-- /{kind}-table:{name} -->)", re.S)
+    if not pat.search(text):
+      raise ValueError(f"{doc}: no <!-- {kind}-table:{name} --> ... <!-- /{kind}-table:{name} --> markers")
+    text = pat.sub(lambda m: m.group(1) + body.rstrip("\n") + "\n" + m.group(2), text)
+  return text
+
+
+def marked_docs(repo: str, docs: dict, kind: str, table) -> dict:
+  """{doc path: (current text, generated text)} of each doc of `docs` ({path under `repo`: its table
+  names}), every table's markers (`replace_marked`) holding table(NAME)."""
+  out = {}
+  for doc, names in docs.items():
+    path = os.path.join(repo, doc)
+    with open(path) as f:
+      text = f.read()
+    out[path] = (text, replace_marked(text, {n: table(n) for n in names}, kind, doc))
+  return out
+
+
+def update_docs(docs: dict, root: str, check: bool, script: str, what: str) -> int:
+  """Writes each doc of {path: (current text, generated text)} whose text changed (printing 'updated
+  DOC'), or with `check` writes nothing and names the stale ones on stderr. The exit status: 1 when
+  `check` found a stale doc, else 0. `script` is benchmarks/SCRIPT, `what` the tables' kind in words."""
+  stale = []
+  for path, (text, new) in docs.items():
+    if text == new:
+      continue
+    if check:
+      stale.append(os.path.relpath(path, root))
+    else:
+      with open(path, "w") as f:
+        f.write(new)
+      print(f"updated {os.path.relpath(path, root)}")
+  if stale:
+    print(f"{script}: the {what} tables of {', '.join(stale)} differ from benchmarks/results/*.json; "
+          f"run python benchmarks/{script}", file=sys.stderr)
+    return 1
+  return 0

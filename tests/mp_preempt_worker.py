@@ -24,6 +24,7 @@ import os
 import signal
 import time
 
+import mp_train_worker
 import numpy as np
 
 STEPS = {"sft": 6, "rl": 6}
@@ -53,22 +54,9 @@ def _hooked(source, hook):
 def sft(workdir: str, steps: int, hook=None, **train) -> dict:
   """The SFT toy; `train` overrides `config.train` fields."""
   from dgr2_jax.model import qwen3
-  from dgr2_jax.model.config import Qwen3Config
   from dgr2_jax.task import pipeline
   from dgr2_jax.train import loop, losses
-  mc = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
-                   eos_token_id=5, pad_token_id=0)
-  rs = np.random.RandomState(0)
-  n, p, r = 32, 6, 8
-  plen = rs.randint(2, p + 1, n).astype(np.int32)
-  prompt = rs.randint(1, 64, (n, p)).astype(np.int32) * (np.arange(p)[None] >= p - plen[:, None])
-  rlen = rs.randint(3, r + 1, n)
-  resp_mask = (np.arange(r)[None] < rlen[:, None]).astype(np.int32)
-  arrays = {"prompt_ids": prompt.astype(np.int32), "prompt_len": plen,
-            "response_ids": (rs.randint(1, 64, (n, r)) * resp_mask).astype(np.int32),
-            "response_mask": resp_mask, "reasoning_mask": resp_mask * (np.arange(r)[None] < 3),
-            "answer_mask": resp_mask * (np.arange(r)[None] >= 3)}
+  mc, arrays = mp_train_worker.toy_sft(32)
   it = pipeline.make_iterator(arrays, 8, seed=0, field="train.batch_size")
   config = _config(steps, 8)
   config.train.update(train)

@@ -10,6 +10,27 @@ import json
 import os
 
 
+def toy_sft(n: int):
+  """(the tiny Qwen3's config, a fixed synthetic SFT split of `n` rows: left-padded prompts of up to 6
+  tokens, responses of 3 to 8, the first 3 reasoning); also tests/mp_preempt_worker.py's SFT toy."""
+  import numpy as np
+  from dgr2_jax.model.config import Qwen3Config
+  mc = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
+                   eos_token_id=5, pad_token_id=0)
+  rs = np.random.RandomState(0)
+  p, r = 6, 8
+  plen = rs.randint(2, p + 1, n).astype(np.int32)
+  prompt = rs.randint(1, 64, (n, p)).astype(np.int32) * (np.arange(p)[None] >= p - plen[:, None])
+  rlen = rs.randint(3, r + 1, n)
+  resp_mask = (np.arange(r)[None] < rlen[:, None]).astype(np.int32)
+  arrays = {"prompt_ids": prompt.astype(np.int32), "prompt_len": plen,
+            "response_ids": (rs.randint(1, 64, (n, r)) * resp_mask).astype(np.int32),
+            "response_mask": resp_mask, "reasoning_mask": resp_mask * (np.arange(r)[None] < 3),
+            "answer_mask": resp_mask * (np.arange(r)[None] >= 3)}
+  return mc, arrays
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--workdir", required=True)
@@ -28,24 +49,11 @@ def main():
   from jax.experimental import multihost_utils
   from dgr2_jax.model import checkpoint as model_ckpt
   from dgr2_jax.model import qwen3
-  from dgr2_jax.model.config import Qwen3Config
   from dgr2_jax.task import pipeline
   from dgr2_jax.train import config as train_config
   from dgr2_jax.train import loop, losses
 
-  mc = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
-                   eos_token_id=5, pad_token_id=0)
-  rs = np.random.RandomState(0)
-  n, p, r = 24, 6, 8
-  plen = rs.randint(2, p + 1, n).astype(np.int32)
-  prompt = rs.randint(1, 64, (n, p)).astype(np.int32) * (np.arange(p)[None] >= p - plen[:, None])
-  rlen = rs.randint(3, r + 1, n)
-  resp_mask = (np.arange(r)[None] < rlen[:, None]).astype(np.int32)
-  arrays = {"prompt_ids": prompt.astype(np.int32), "prompt_len": plen,
-            "response_ids": (rs.randint(1, 64, (n, r)) * resp_mask).astype(np.int32),
-            "response_mask": resp_mask, "reasoning_mask": resp_mask * (np.arange(r)[None] < 3),
-            "answer_mask": resp_mask * (np.arange(r)[None] >= 3)}
+  mc, arrays = toy_sft(24)
 
   config = ml_collections.ConfigDict({"seed": 0, "train": train_config.train_config()})
   tc = config.train

@@ -86,21 +86,23 @@ class _Cfg:
   scale: float        # 1 / sqrt(D) of the unpadded head dim
 
 
-def _pow2_ceil(n: int) -> int:
+def pow2_ceil(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
 def _fit(block: int, n: int) -> int:
   """A tile no longer than the (power-of-two-rounded) length, at least MIN_TILE."""
-  return max(MIN_TILE, min(block, _pow2_ceil(n)))
+  return max(MIN_TILE, min(block, pow2_ceil(n)))
 
 
-def _fit_blocks(b: Blocks, t: int, s: int) -> Blocks:
-  return dataclasses.replace(b, q=_fit(b.q, t), k=_fit(b.k, s), q_dq=_fit(b.q_dq, t), k_dq=_fit(b.k_dq, s),
-                             q_dkv=_fit(b.q_dkv, t), k_dkv=_fit(b.k_dkv, s))
+def fit_blocks(b, t: int, s: int, fit=_fit):
+  """`b` (a Blocks, here or flash_tpu's) with each query tile fit(tile, t) and each key tile fit(tile, s)."""
+  return dataclasses.replace(b, q=fit(b.q, t), k=fit(b.k, s), q_dq=fit(b.q_dq, t), k_dq=fit(b.k_dq, s),
+                             q_dkv=fit(b.q_dkv, t), k_dkv=fit(b.k_dkv, s))
 
 
-def _pad(x, axis, size):
+def pad_to(x, axis, size):
+  """x zero-padded at the end of `axis` to `size` (x itself when it is that long)."""
   extra = size - x.shape[axis]
   if not extra:
     return x
@@ -135,9 +137,27 @@ def _prepare(q, k, v, intervals, blocks, interpret):
   s = k.shape[1]
   if k.shape != (b, s, kh, d) or v.shape != k.shape:
     raise ValueError(f"flash_attention: k/v must be [b, S, K, D] = [{b}, S, {kh}, {d}], got {k.shape}, {v.shape}")
-  bl = _fit_blocks(blocks or DEFAULT_BLOCKS, t, s)
+  bl = fit_blocks(blocks or DEFAULT_BLOCKS, t, s)
+  tp, sp = padded_lengths(bl, t, s)
+  dp = max(MIN_TILE, pow2_ceil(d))
+  qp = pad_to(pad_to(q, 1, tp), 4, dp)
+  kp, vp = (pad_to(pad_to(x, 1, sp), 3, dp) for x in (k, v))
+  if interpret is None:
+    interpret = INTERPRET if INTERPRET is not None else platform.interpret_pallas("gpu")
+  cfg = _Cfg(bl, bool(interpret), d ** -0.5)
+  return (qp, kp, vp, interval_rows(intervals, b, t, s, tp)), cfg, (t, d)
+
+
+def padded_lengths(bl, t: int, s: int) -> tuple:
+  """(Tp, Sp): the query and key lengths padded to whole tiles of every call of `bl` (tiles are powers
+  of two, so the largest one's multiples are every tile's)."""
   tile_t, tile_s = max(bl.q, bl.q_dq, bl.q_dkv), max(bl.k, bl.k_dq, bl.k_dkv)
-  tp, sp, dp = -(-t // tile_t) * tile_t, -(-s // tile_s) * tile_s, max(MIN_TILE, _pow2_ceil(d))
+  return -(-t // tile_t) * tile_t, -(-s // tile_s) * tile_s
+
+
+def interval_rows(intervals, b: int, t: int, s: int, tp: int):
+  """The intervals (lo1, hi1, lo2, hi2; each [b, t] or [b], lo2/hi2 None = no second interval) as
+  `rows` [b, 4, tp] int32 clipped to the s keys; the tp - t padded queries see nothing."""
   lo1, hi1, lo2, hi2 = intervals
   if lo2 is None:
     lo2 = hi2 = jnp.zeros((b, t), jnp.int32)
@@ -146,13 +166,7 @@ def _prepare(q, k, v, intervals, blocks, interpret):
     x = jnp.clip(jnp.asarray(x, jnp.int32), 0, s)
     return jnp.broadcast_to(x[:, None] if x.ndim == 1 else x, (b, t))
 
-  qp = _pad(_pad(q, 1, tp), 4, dp)
-  kp, vp = (_pad(_pad(x, 1, sp), 3, dp) for x in (k, v))
-  if interpret is None:
-    interpret = INTERPRET if INTERPRET is not None else platform.interpret_pallas("gpu")
-  cfg = _Cfg(bl, bool(interpret), d ** -0.5)
-  rows = _pad(jnp.stack([row(lo1), row(hi1), row(lo2), row(hi2)], axis=1), 2, tp)   # [b,4,Tp]
-  return (qp, kp, vp, rows), cfg, (t, d)
+  return pad_to(jnp.stack([row(lo1), row(hi1), row(lo2), row(hi2)], axis=1), 2, tp)
 
 
 # ---- the tile tables -------------------------------------------------------------------------------
@@ -195,7 +209,7 @@ def _visible(rows, k_start, num_k):
           | ((kpos >= lo2[:, None]) & (kpos < hi2[:, None])))
 
 
-def _dot(a, b, contract=(1, 1)):
+def dot(a, b, contract=(1, 1)):
   """2-d matmul with f32 accumulation; contract = (a's, b's) contracted dim."""
   return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -218,14 +232,14 @@ def _fwd_kernel(rows_ref, order_ref, count_ref, q_ref, k_ref, v_ref, o_ref, lse_
     acc, m, l = carry
     start = pl.multiple_of(order_ref[n] * bk, bk)
     kb = k_ref[pl.ds(start, bk), :]
-    s = _dot(q, kb.astype(q.dtype)) * scale2                              # [bq, bk], log2 units
+    s = dot(q, kb.astype(q.dtype)) * scale2                               # [bq, bk], log2 units
     if masked:
       s = jnp.where(_visible(rows, start, bk), s, NEG)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     corr = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
     vb = v_ref[pl.ds(start, bk), :]
-    acc = acc * corr[:, None] + _dot(p.astype(vb.dtype), vb, (1, 0))
+    acc = acc * corr[:, None] + dot(p.astype(vb.dtype), vb, (1, 0))
     return acc, m_new, l * corr + jnp.sum(p, axis=1)
 
   init = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
@@ -282,12 +296,12 @@ def _dq_kernel(rows_ref, order_ref, count_ref, q_ref, do_ref, lse_ref, delta_ref
     start = pl.multiple_of(order_ref[n] * bk, bk)
     kb = k_ref[pl.ds(start, bk), :].astype(q.dtype)
     vb = v_ref[pl.ds(start, bk), :]
-    s = _dot(q, kb) * scale2
+    s = dot(q, kb) * scale2
     if masked:
       s = jnp.where(_visible(rows, start, bk), s, NEG)
     p = jnp.exp2(s - lse[:, None])                                         # [bq, bk]
-    ds = p * (_dot(do, vb.astype(do.dtype)) - delta[:, None])
-    return dq + _dot(ds.astype(kb.dtype), kb, (1, 0))
+    ds = p * (dot(do, vb.astype(do.dtype)) - delta[:, None])
+    return dq + dot(ds.astype(kb.dtype), kb, (1, 0))
 
   dq = _two_loops(count_ref, step, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * (scale2 / LOG2E)).astype(dq_ref.dtype)
@@ -331,13 +345,13 @@ def _dkv_kernel(rows_ref, order_ref, count_ref, q_ref, do_ref, lse_ref, delta_re
     start = pl.multiple_of(order_ref[n] * bq, bq)
     sl = pl.ds(start, bq)
     qb, do = q_ref[sl, g, :], do_ref[sl, g, :]                             # [bq, D]
-    s = _dot(qb, kb.astype(qb.dtype)) * scale2                             # [bq, bk]
+    s = dot(qb, kb.astype(qb.dtype)) * scale2                              # [bq, bk]
     if masked:
       s = jnp.where(_visible(_load_rows(rows_ref, sl), start_k, bk), s, NEG)
     p = jnp.exp2(s - lse_ref[g, sl][:, None])
-    dv = dv + _dot(p.astype(do.dtype), do, (0, 0))                          # [bk, D]
-    ds = p * (_dot(do, vb.astype(do.dtype)) - delta_ref[g, sl][:, None])
-    return dk + _dot(ds.astype(qb.dtype), qb, (0, 0)), dv
+    dv = dv + dot(p.astype(do.dtype), do, (0, 0))                           # [bk, D]
+    ds = p * (dot(do, vb.astype(do.dtype)) - delta_ref[g, sl][:, None])
+    return dk + dot(ds.astype(qb.dtype), qb, (0, 0)), dv
 
   def head(g, carry):
     return _two_loops(count_ref, lambda n, c, masked: step(n, c, masked, g), carry)
@@ -408,24 +422,28 @@ _dkv_p = _partitioned(_dkv, _BWD_IN, ("kv", "kv"), _IN + ", b t k g d, b k g t, 
 
 
 # ---- custom VJP --------------------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, rows, cfg):
-  return _forward_p(q, k, v, rows, cfg)[0]
+def flash_vjp(forward, dq, dkv):
+  """flash(q, k, v, rows, cfg) -> out, differentiable in q, k, v, from the three calls (here's, or
+  flash_tpu's): forward(q, k, v, rows, cfg) -> (out, lse [b,K,G,Tp]); dq(q, k, v, rows, do, lse, delta,
+  cfg) -> dq and dkv(the same) -> (dk, dv), delta = rowsum(dO * O) [b,K,G,Tp] f32."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+  def flash(q, k, v, rows, cfg):
+    return forward(q, k, v, rows, cfg)[0]
+
+  def flash_fwd(q, k, v, rows, cfg):
+    out, lse = forward(q, k, v, rows, cfg)
+    return out, (q, k, v, rows, out, lse)
+
+  def flash_bwd(cfg, res, do):
+    q, k, v, rows, out, lse = res
+    do = do.astype(q.dtype)
+    delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)   # [b,Tp,K,G]
+    delta = jnp.transpose(delta, (0, 2, 3, 1))                                      # [b,K,G,Tp]
+    return (dq(q, k, v, rows, do, lse, delta, cfg), *dkv(q, k, v, rows, do, lse, delta, cfg), None)
+
+  flash.defvjp(flash_fwd, flash_bwd)
+  return flash
 
 
-def _flash_fwd(q, k, v, rows, cfg):
-  out, lse2 = _forward_p(q, k, v, rows, cfg)
-  return out, (q, k, v, rows, out, lse2)
-
-
-def _flash_bwd(cfg, res, do):
-  q, k, v, rows, out, lse2 = res
-  do = do.astype(q.dtype)
-  delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)   # [b,Tp,K,G]
-  delta = jnp.transpose(delta, (0, 2, 3, 1))                                      # [b,K,G,Tp]
-  dq = _dq_p(q, k, v, rows, do, lse2, delta, cfg)
-  dk, dv = _dkv_p(q, k, v, rows, do, lse2, delta, cfg)
-  return dq, dk, dv, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash = flash_vjp(_forward_p, _dq_p, _dkv_p)

@@ -58,7 +58,8 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import PartitionSpec as P
 
 from dgr2_jax import platform
-from dgr2_jax.model.flash_pallas import tile_lists, tile_state
+from dgr2_jax.model.flash_pallas import (dot, fit_blocks, flash_vjp, interval_rows, pad_to, padded_lengths,
+                                         pow2_ceil, tile_lists, tile_state)
 
 NEG = -0.7 * float(np.finfo(np.float32).max)  # masked score (finite: no inf - inf in the kernel)
 EMPTY_LSE = 1e30    # lse of a query that sees nothing: exp(s - EMPTY_LSE) = 0 in the backward
@@ -98,22 +99,9 @@ class _Cfg:
   layout: StreamLayout | None = None  # splash: None = causal
 
 
-def _pow2_ceil(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
-
-
 def _fit(block: int, n: int) -> int:
   """A power-of-two tile no longer than the (power-of-two-rounded) length, at least LANES."""
-  return max(LANES, min(_pow2_ceil(block), _pow2_ceil(n)))
-
-
-def _pad(x, axis, size):
-  extra = size - x.shape[axis]
-  if not extra:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, extra)
-  return jnp.pad(x, pad)
+  return max(LANES, min(pow2_ceil(block), pow2_ceil(n)))
 
 
 def _interpret(interpret: bool | None) -> bool:
@@ -149,21 +137,12 @@ def flash_attention(q, k, v, lo1, hi1, lo2=None, hi2=None, *, blocks: Blocks | N
   s = k.shape[1]
   if k.shape != (b, s, kh, d) or v.shape != k.shape:
     raise ValueError(f"flash_tpu: k/v must be [b, S, K, D] = [{b}, S, {kh}, {d}], got {k.shape}, {v.shape}")
-  bl = blocks or DEFAULT_BLOCKS
-  bl = dataclasses.replace(bl, q=_fit(bl.q, t), k=_fit(bl.k, s), q_dq=_fit(bl.q_dq, t), k_dq=_fit(bl.k_dq, s),
-                           q_dkv=_fit(bl.q_dkv, t), k_dkv=_fit(bl.k_dkv, s))
-  tile_t, tile_s = max(bl.q, bl.q_dq, bl.q_dkv), max(bl.k, bl.k_dq, bl.k_dkv)
-  tp, sp, dp = -(-t // tile_t) * tile_t, -(-s // tile_s) * tile_s, -(-d // LANES) * LANES
-  if lo2 is None:
-    lo2 = hi2 = jnp.zeros((b, t), jnp.int32)
-
-  def row(x):
-    x = jnp.clip(jnp.asarray(x, jnp.int32), 0, s)
-    return jnp.broadcast_to(x[:, None] if x.ndim == 1 else x, (b, t))
-
-  rows = _pad(jnp.stack([row(lo1), row(hi1), row(lo2), row(hi2)], axis=1), 2, tp)   # [b,4,Tp]; padding sees nothing
-  qp = _pad(_pad(q, 1, tp), 4, dp)
-  kp, vp = (_pad(_pad(x, 1, sp), 3, dp) for x in (k, v))
+  bl = fit_blocks(blocks or DEFAULT_BLOCKS, t, s, _fit)
+  tp, sp = padded_lengths(bl, t, s)
+  dp = -(-d // LANES) * LANES
+  rows = interval_rows((lo1, hi1, lo2, hi2), b, t, s, tp)                     # [b,4,Tp]; padding sees nothing
+  qp = pad_to(pad_to(q, 1, tp), 4, dp)
+  kp, vp = (pad_to(pad_to(x, 1, sp), 3, dp) for x in (k, v))
   cfg = _Cfg(bl, _interpret(interpret), d ** -0.5)
   return _on_mesh(lambda q, k, v, rows: _flash(q, k, v, rows, cfg), qp, kp, vp, rows)[:, :t, :, :, :d]
 
@@ -202,11 +181,6 @@ def _visible_rows(rows_ref, k_start, bk: int, bq: int):
   return ((kpos >= lo1) & (kpos < hi1)) | ((kpos >= lo2) & (kpos < hi2))
 
 
-def _dot(a, b, contract=(1, 1)):
-  """2-d matmul with f32 accumulation; contract = (a's, b's) contracted dim."""
-  return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32)
-
-
 def _fwd_kernel(order_ref, count_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *,
                 scale, bk, nq, nk):
   # q/o [bq, D] (one head's query tile), k/v [bk, D] (the partner key tile), rows [4, bq], lse [1, bq];
@@ -222,7 +196,7 @@ def _fwd_kernel(order_ref, count_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, lse_
 
   def step(masked):
     q = q_ref[...]
-    s = _dot(q, k_ref[...].astype(q.dtype)) * scale                        # [bq, bk]
+    s = dot(q, k_ref[...].astype(q.dtype)) * scale                         # [bq, bk]
     if masked:
       start = _entry(order_ref, count_ref, r, i, n, nk, nq) * bk
       s = jnp.where(_visible_cols(rows_ref, start, bq, bk), s, NEG)
@@ -231,7 +205,7 @@ def _fwd_kernel(order_ref, count_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, lse_
     corr = jnp.exp(m_prev - m_new)
     p = jnp.exp(s - m_new)
     vb = v_ref[...]
-    acc_sc[...] = acc_sc[...] * corr + _dot(p.astype(vb.dtype), vb, (1, 0))
+    acc_sc[...] = acc_sc[...] * corr + dot(p.astype(vb.dtype), vb, (1, 0))
     l_sc[...] = l_sc[...] * corr + jnp.sum(p, axis=1, keepdims=True)
     m_sc[...] = m_new
 
@@ -294,13 +268,13 @@ def _dq_kernel(order_ref, count_ref, rows_ref, q_ref, do_ref, lse_ref, delta_ref
   def step(masked):
     q, do = q_ref[...], do_ref[...]
     kb = k_ref[...].astype(q.dtype)
-    s = _dot(q, kb) * scale
+    s = dot(q, kb) * scale
     if masked:
       start = _entry(order_ref, count_ref, r, i, n, nk, nq) * bk
       s = jnp.where(_visible_cols(rows_ref, start, bq, bk), s, NEG)
     p = jnp.exp(s - _col(lse_ref, 0))                                         # [bq, bk]
-    ds = p * (_dot(do, v_ref[...].astype(do.dtype)) - _col(delta_ref, 0))
-    dq_sc[...] += _dot(ds.astype(kb.dtype), kb, (1, 0))
+    ds = p * (dot(do, v_ref[...].astype(do.dtype)) - _col(delta_ref, 0))
+    dq_sc[...] += dot(ds.astype(kb.dtype), kb, (1, 0))
 
   _run(count_ref, r, i, n, nq, step)
 
@@ -352,13 +326,13 @@ def _dkv_kernel(order_ref, count_ref, rows_ref, q_ref, do_ref, lse_ref, delta_re
 
   def step(masked):
     qb, do = q_ref[...], do_ref[...]
-    s = _dot(k_ref[...].astype(qb.dtype), qb) * scale                         # [bk, bq]
+    s = dot(k_ref[...].astype(qb.dtype), qb) * scale                          # [bk, bq]
     if masked:
       s = jnp.where(_visible_rows(rows_ref, t * bk, bk, bq), s, NEG)
     p = jnp.exp(s - lse_ref[...])
-    dv_sc[...] += _dot(p.astype(do.dtype), do, (1, 0))                          # [bk, D]
-    ds = p * (_dot(v_ref[...].astype(do.dtype), do) - delta_ref[...])
-    dk_sc[...] += _dot(ds.astype(qb.dtype), qb, (1, 0))
+    dv_sc[...] += dot(p.astype(do.dtype), do, (1, 0))                           # [bk, D]
+    ds = p * (dot(v_ref[...].astype(do.dtype), do) - delta_ref[...])
+    dk_sc[...] += dot(ds.astype(qb.dtype), qb, (1, 0))
 
   _run(count_ref, r, t, n, nk, step)
 
@@ -398,28 +372,8 @@ def _dkv(q, k, v, rows, do, lse, delta, cfg: _Cfg):
   return _kv_heads(dk), _kv_heads(dv)
 
 
-# ---- custom VJP ------------------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, rows, cfg):
-  return _forward(q, k, v, rows, cfg)[0]
-
-
-def _flash_fwd(q, k, v, rows, cfg):
-  out, lse = _forward(q, k, v, rows, cfg)
-  return out, (q, k, v, rows, out, lse)
-
-
-def _flash_bwd(cfg, res, do):
-  q, k, v, rows, out, lse = res
-  do = do.astype(q.dtype)
-  delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)   # [b,Tp,K,G]
-  delta = jnp.transpose(delta, (0, 2, 3, 1))                                      # [b,K,G,Tp]
-  dq = _dq(q, k, v, rows, do, lse, delta, cfg)
-  dk, dv = _dkv(q, k, v, rows, do, lse, delta, cfg)
-  return dq, dk, dv, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+# ---- custom VJP (flash_pallas's, over these calls) ------------------------------------------------
+_flash = flash_vjp(_forward, _dq, _dkv)
 
 
 # ---- splash attention: static masks + segment ids ---------------------------------------------------
@@ -440,7 +394,7 @@ def splash_attention(q, k, v, lo, layout: StreamLayout | None = None, *, blocks:
   seg = ((slot >= jnp.asarray(lo, jnp.int32)[:, None]) & (slot < n)).astype(jnp.int32)[:, None]   # [b,1,Np]
   qs = (q.astype(jnp.float32) * cfg.scale).astype(q.dtype)                    # splash does not scale
   dp = -(-d // LANES) * LANES                                                 # a zero-padded head dim changes no score
-  qp, kp, vp = _pad(_pad(qs, 1, np_), 4, dp), _pad(_pad(k, 1, np_), 3, dp), _pad(_pad(v, 1, np_), 3, dp)
+  qp, kp, vp = pad_to(pad_to(qs, 1, np_), 4, dp), pad_to(pad_to(k, 1, np_), 3, dp), pad_to(pad_to(v, 1, np_), 3, dp)
 
   def local(q, k, v, seg):  # one device's rows and kv heads; splash's own custom VJP differentiates it
     kernel = _splash_kernel(cfg, np_, q.shape[2] * g)
