@@ -131,7 +131,7 @@ def smoke(c):
   c.model.hidden_size, c.model.intermediate_size, c.model.num_hidden_layers, c.model.head_dim = 32, 64, 1, 8
   c.train.total_steps, c.train.batch_size, c.train.checkpoint_every = 2, 4, 1
   c.cft.steps = 2
-  c.opd.steps, c.opd.prompts_per_step, c.opd.rollouts_per_prompt, c.opd.heldout_prompts = 2, 2, 2, 2
+  c.opd.steps, c.opd.prompts_per_step, c.opd.rollouts_per_prompt, c.opd.heldout_prompts = 2, 2, 2, 4
   for sec in (c.rl, c.teacher_rl):
     sec.steps, sec.prompts_per_step, sec.group_size = 1, 2, 2
   for sec in (c.opd, c.rl, c.teacher_rl):  # the validation curves and keep_best run too

@@ -191,9 +191,11 @@ def heldout_kl(d: Distillation, prompts: dict, n: int):
   """-> `params -> {"heldout_kl", "heldout_reverse_kl"}`: the student's rollouts of the first `n`
   of `prompts` (one each, at the rollouts' temperature, the same key every call), scored by the
   teacher: KL(teacher || student) and KL(student || teacher), token means over the committed
-  tokens, the same for any process count (each process decodes users i, i + P, ...). None for n 0."""
+  tokens, the same for any process count (each process decodes users i, i + P, ...). `n` is
+  rounded down to a multiple of the device count; None when that is 0."""
   pc, pi = jax.process_count(), jax.process_index()
-  n = min(int(n), len(prompts["prompt_ids"])) // pc * pc
+  # A whole number of rows per device: the rollouts' batch is split over every device's rows.
+  n = min(int(n), len(prompts["prompt_ids"])) // jax.device_count() * jax.device_count()
   if n == 0:
     return None
   mine = {k: v[:n][pi::pc] for k, v in prompts.items()}
