@@ -38,9 +38,9 @@ EXTRAS = {
     "serve": ["starlette==1.10.0", "uvicorn==0.55.0", "prometheus-client==0.26.0", "httpx==0.28.1"],
     # Compile-only targets (dgr2_jax/aot/targets.py): compile for H100 / H200 GPUs and TPU slices on any
     # machine, no accelerator needed: libtpu, and the CUDA PJRT plugin without the CUDA wheels (~1.2 GB).
-    # Compiling needs no CUDA library: cuDNN attention, Triton kernels and sm_90a cubins come out the
-    # same with or without nvidia-cudnn-cu12 / cublas / nvrtc installed.
-    "aot": ["jax[tpu]==0.10.2", "jax[cuda12-local]==0.10.2"],
+    # cuDNN attention needs the cuDNN library to compile (jax checks for it); Triton kernels and
+    # sm_90a cubins need no other CUDA wheel.
+    "aot": ["jax[tpu]==0.10.2", "jax[cuda12-local]==0.10.2", "nvidia-cudnn-cu12==9.28.0.42"],
     # Replicas behind Ray Serve (dgr2_jax/serve/ray_app.py).
     "serve-ray": ["starlette==1.10.0", "uvicorn==0.55.0", "prometheus-client==0.26.0", "httpx==0.28.1",
                   "ray[serve]==2.60.0"],   # ray[serve] 2.60 needs starlette >= 1.0.1
