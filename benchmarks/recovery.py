@@ -136,11 +136,11 @@ def kept_step(workdir: str, stage: str):
 
 def main(argv):
   del argv
+  main_lib.quiet_logs(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)
   if _RENDER.value:
     with open(_RENDER.value) as f:
       write_docs(json.load(f), _DOCS.value, _RENDER.value)
     return
-  main_lib.quiet_logs(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)
   config, workdir = _CONFIG.value, _WORKDIR.value
   rows = []
   for f in sorted((float(x) for x in _FRACTIONS.value), reverse=True):   # the full chain (and its teacher rows) first
@@ -153,7 +153,9 @@ def main(argv):
              "rl_kept_step": kept_step(wd, "rl"), **figure(hits(config, wd, split, _MAX.value))}
       rows.append(row)
       print(render([row]), flush=True)
-  record = {"command": " ".join(["python benchmarks/recovery.py"] + sys.argv[1:]), "commit": results.git_commit(),
+  # The workdir is this machine's; the record names it WORKDIR.
+  argv = ["--workdir=WORKDIR" if a.startswith("--workdir=") else a for a in sys.argv[1:]]
+  record = {"command": " ".join(["python benchmarks/recovery.py"] + argv), "commit": results.git_commit(),
             "name": config_name(), "machine": results.cpu_info(), "cores": os.cpu_count(), "rows": rows}
   if _OUT.value:
     fileio.write_json_atomic(_OUT.value, record)
