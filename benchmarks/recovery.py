@@ -17,7 +17,7 @@ writes to `--out`:
   * RL: the Recall@1 RL adds to OPD, and the share of the gap CFT + OPD + RL closes; OPD's and
     RL's kept step (0 = kept its start).
 `--docs` writes the table (with the commit, command and machine that produced it) between the
-doc's `<!-- recovery-<name>-table -->` markers, name the config file's stem; `--render` rewrites
+doc's `<!-- recovery-table:<name> -->` markers, name the config file's stem; `--render` rewrites
 it from a recorded JSON without running anything.
 """
 
@@ -175,22 +175,21 @@ def config_name() -> str:
 
 def write_docs(record: dict, doc: str, json_path: str) -> None:
   """`render(record's rows)` with a sentence naming the commit, command and machine, between the
-  doc's `<!-- recovery-<name>-table -->` markers."""
+  doc's `<!-- recovery-table:<name> -->` markers (`results.replace_marked`)."""
   if not doc:
     raise SystemExit("recovery: --render needs --docs=<the doc to rewrite>")
-  name = record.get("name", "demo")
-  start, end = f"<!-- recovery-{name}-table -->", f"<!-- /recovery-{name}-table -->"
-  with open(doc) as f:
-    text = f.read()
-  if start not in text or end not in text:
-    raise SystemExit(f"recovery: {doc} has no {start} ... {end} markers")
   m = record.get("machine") or {}
   head = (f"Commit `{record['commit']}`, `{record['command']}`, on {record.get('cores', '?')} CPU cores "
           f"({m.get('cpu_model', '?')}, {m.get('cpu_isa', '?')}); JSON: `{json_path}`. Paired bootstrap 95% "
           f"intervals over users; a share is of the gap CFT leaves (where CFT is below the teacher).")
-  body = f"{start}\n{head}\n\n{render(record['rows'])}\n{end}"
-  a, b = text.index(start), text.index(end) + len(end)
-  fileio.write_text_atomic(doc, text[:a] + body + text[b:])
+  with open(doc) as f:
+    text = f.read()
+  try:
+    text = results.replace_marked(text, {record.get("name", "demo"): f"{head}\n\n{render(record['rows'])}"},
+                                  "recovery", doc)
+  except ValueError as e:
+    raise SystemExit(f"recovery: {e}") from None
+  fileio.write_text_atomic(doc, text)
   print(f"wrote {doc}")
 
 

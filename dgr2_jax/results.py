@@ -45,13 +45,13 @@ FRONTIER_COLUMNS = ("decoder", "batch_size", "block_size", "threshold", "recall@
 ISA_FLAGS = ("avx512_bf16", "avx512_vnni", "avx512f", "avx2", "fma", "avx", "sse4_2")
 
 
-def cpu_info() -> dict:
+def cpu_info(cpuinfo: str = "/proc/cpuinfo") -> dict:
   """{cpu_model, cpu_isa (the widest of ISA_FLAGS the CPU has), cpu_flags (those it has), xla_flags
   (the `--xla_cpu_*` ones of XLA_FLAGS: the GPU flags decode/xla_flags.py adds change nothing on a
   CPU)}: what decides the bits a CPU run computes (docs/results.md, "Runs on other machines")."""
   model, flags = platform.processor() or platform.machine(), set()
   try:
-    with open("/proc/cpuinfo") as f:
+    with open(cpuinfo) as f:
       for line in f:
         key, _, value = line.partition(":")
         if key.strip() == "model name" and value.strip():
@@ -266,8 +266,7 @@ def update_docs(docs: dict, root: str, check: bool, script: str, what: str) -> i
     if check:
       stale.append(os.path.relpath(path, root))
     else:
-      with open(path, "w") as f:
-        f.write(new)
+      fileio.write_text_atomic(path, new)
       print(f"updated {os.path.relpath(path, root)}")
   if stale:
     print(f"{script}: the {what} tables of {', '.join(stale)} differ from benchmarks/results/*.json; "

@@ -73,14 +73,3 @@ def test_the_table_goes_between_the_markers_only():
   assert ladder_table.rewrite(text, "NEW") == f"intro\n{begin}\nNEW\n{end}\nafter\n"
   with pytest.raises(SystemExit, match="markers"):
     ladder_table.rewrite("no markers here", "NEW")
-
-
-def test_cpu_info_names_the_isa_and_only_the_cpu_flags(monkeypatch):
-  """What decides a CPU run's bits: the CPU model, its widest vector ISA, and the `--xla_cpu_*` flags
-  (the GPU flags the project adds itself are left out)."""
-  from dgr2_jax import results
-  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_graph_min_graph_size=1 --xla_cpu_max_isa=AVX2 --xla_cpu_use_xnnpack=false")
-  info = results.cpu_info()
-  assert info["xla_flags"] == "--xla_cpu_max_isa=AVX2 --xla_cpu_use_xnnpack=false"
-  assert info["cpu_isa"] in results.ISA_FLAGS + ("unknown",) and info["cpu_model"]
-  assert info["cpu_flags"][:1] == ([info["cpu_isa"]] if info["cpu_isa"] != "unknown" else [])

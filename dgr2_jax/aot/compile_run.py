@@ -435,12 +435,15 @@ def compile_programs(config, target, layers: tuple = (), progress=print, full_de
   depths = tuple(int(x) for x in layers) or (mc.num_hidden_layers,)
   if len(depths) not in (1, 2) or (len(depths) == 2 and depths[0] == depths[1]):
     raise ValueError(f"layers: give one depth, or two different depths to extrapolate from, got {layers}")
-  if len(depths) == 1:   # the model at that depth, its plan too
-    mc = mc.replace(num_hidden_layers=depths[0])
-    config = _with_layers(config, depths[0])
-  passes = [(d, lambda j: j.kind not in full_depth) for d in depths]
-  if full_depth and len(depths) == 2:
-    passes.insert(0, (mc.num_hidden_layers, lambda j: j.kind in full_depth))
+  if len(depths) == 1:   # every program at that depth (the model, and its plan, at that depth)
+    if depths[0] != mc.num_hidden_layers:
+      mc = mc.replace(num_hidden_layers=depths[0])
+      config = _with_layers(config, depths[0])
+    passes = [(depths[0], lambda j: True)]
+  else:
+    passes = [(d, lambda j: j.kind not in full_depth) for d in depths]
+    if full_depth:
+      passes.insert(0, (mc.num_hidden_layers, lambda j: j.kind in full_depth))
   runs: dict = {}
   for depth, wanted in passes:
     at = f" at {depth} layers" if layers else ""

@@ -34,10 +34,6 @@ from typing import Iterator
 from dgr2_jax import platform
 
 AOT_EXTRA = 'pip install -e ".[aot]"'   # setup.py's extra: libtpu and the CUDA compiler plugin
-# libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) when it loads, as if it drove the TPU:
-# a second process compiling for a TPU (a parallel test worker, another compile) would fail. A
-# compile-only client drives no chip, so any number may load it.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 _SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs")
 
 
@@ -182,6 +178,11 @@ def _tpu(name: str, chip: str, shape: tuple) -> Target:
 @functools.lru_cache(maxsize=None)
 def _topology_devices(t: Target) -> tuple:
   from jax.experimental import topologies
+  # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) when it loads, as if it drove the TPU:
+  # a second process compiling for a TPU (another compile, a parallel test worker: tests/conftest.py
+  # sets it before JAX starts) would fail. A compile-only client drives no chip, so any number may
+  # load it. Set here, not at import: `main` imports this module, and a run on a real TPU keeps the lock.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   try:
     if t.backend == "tpu":
       topo = topologies.get_topology_desc(topology_name=t.topology, platform="tpu", num_slices=1,

@@ -47,10 +47,11 @@ def stage_train_config(config, workdir_stage_cfg, n_examples: int):
 
 def choice_after_id(tokenizer) -> int:
   """The one token of ' #' that precedes a candidate number in the reasoning (`cft.choice_weight`)."""
-  ids = prompts_lib.encode(tokenizer, " #")
-  if len(ids) != 1:
-    raise ValueError(f"cft.choice_weight needs ' #' to be one token; this tokenizer gives {ids}")
-  return ids[0]
+  choice = prompts_lib.choice_after_id(tokenizer)
+  if choice < 0:
+    raise ValueError(f"cft.choice_weight needs ' #' to be one token; this tokenizer gives "
+                     f"{prompts_lib.encode(tokenizer, ' #')}")
+  return choice
 
 
 def loss_for(cc, mc, mask_id: int, choice_id: int = -1):

@@ -39,6 +39,7 @@ from dgr2_jax import multihost
 from dgr2_jax.stages import common
 from dgr2_jax.stages import contract
 from dgr2_jax.stages import on_policy
+from dgr2_jax.task import prompts as prompts_lib
 from dgr2_jax.stages.on_policy import load_policy, rollout_decode_config, rollout_metrics, score_rollouts
 from dgr2_jax.train import grpo, loop, opd, rollouts
 from dgr2_jax.train.config import section
@@ -156,7 +157,7 @@ def distillation(config, oc, task: dict, src: str, teacher_dir: str) -> Distilla
                 **{n: seg[n] for n in rollouts.SEGMENT_KEYS}, **teacher_cache(roll, seg)), seg
 
   kw = dict(block_size=bs, teacher_cache=mode, mask_id=mask_id)
-  choice_id = choice_after_id(task["tokenizer"])
+  choice_id = prompts_lib.choice_after_id(task["tokenizer"])
   if float(oc.get("choice_weight", 1.0)) != 1.0 and choice_id < 0:
     raise ValueError("config.opd.choice_weight needs ' #' (before a candidate number) to be one token of "
                      "this tokenizer")
@@ -172,19 +173,11 @@ def distillation(config, oc, task: dict, src: str, teacher_dir: str) -> Distilla
 
 def loss_for(oc, student_cfg, teacher_cfg, mask_id: int, choice_id: int):
   """The OPD step's loss (`opd.opd_loss`) of `student_cfg` against the AR teacher `teacher_cfg` (None:
-  the 'self_tau1' teacher's cache) under section `oc`; `choice_id`: `choice_after_id`'s token."""
+  the 'self_tau1' teacher's cache) under section `oc`; `choice_id`: ' #' (`prompts.choice_after_id`)."""
   return functools.partial(opd.opd_loss, student_cfg, teacher_config=teacher_cfg,
                            choice=opd.Choice(choice_id, float(oc.get("choice_weight", 1.0))),
                            block_size=int(student_cfg.block_size), teacher_cache=str(oc.teacher_cache),
                            mask_id=mask_id)
-
-
-def choice_after_id(tokenizer) -> int:
-  """The token id of ' #' (before each candidate number the reasoning names), or -1 when this
-  tokenizer splits it."""
-  from dgr2_jax.task import prompts as prompts_lib
-  ids = prompts_lib.encode(tokenizer, " #")
-  return int(ids[0]) if len(ids) == 1 else -1
 
 
 def heldout_kl(d: Distillation, prompts: dict, n: int):
@@ -251,7 +244,8 @@ def _build(config, workdir: str, build: contract.Build) -> str:
   steps = int(oc.steps) or max(1, int(oc.epochs) * n // pps)
   tconf = on_policy.on_policy_config(config, rows=pps * g, steps=steps, lr=oc.lr, grad_accum=oc.grad_accum_steps)
   make_batch = d.make_batch
-  held = heldout_kl(d, on_policy.task_setup(config, workdir, "valid")["prompts"], int(oc.get("heldout_prompts", 0)))
+  n_held = int(oc.get("heldout_prompts", 0))
+  held = heldout_kl(d, on_policy.task_setup(config, workdir, "valid")["prompts"], n_held) if n_held else None
   if held is not None:
     def make_batch(params, prompts, key):
       batch, m = d.make_batch(params, prompts, key)

@@ -168,6 +168,13 @@ def encode(tokenizer, text: str) -> list[int]:
   return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def choice_after_id(tokenizer) -> int:
+  """The token id of ' #', which precedes each candidate number the reasoning names (where the
+  first pick is decided: CFT's and OPD's `choice_weight`), or -1 when this tokenizer splits it."""
+  ids = encode(tokenizer, " #")
+  return int(ids[0]) if len(ids) == 1 else -1
+
+
 @dataclasses.dataclass(frozen=True)
 class PromptStyle:
   """How a prompt is written (the `task` section's prompt settings; `build_messages`)."""

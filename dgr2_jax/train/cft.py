@@ -58,9 +58,7 @@ def corrupt(rng, response, response_mask, block_size: int, mask_id: int, eps: fl
 
 def choice_mask(batch, choice_after_id: int):
   """[b,R] bool: reasoning tokens right after a `choice_after_id` token (the candidate numbers)."""
-  resp = batch["response_ids"]
-  prev = jnp.concatenate([jnp.full_like(resp[:, :1], -1), resp[:, :-1]], 1)
-  return (prev == choice_after_id) & batch["reasoning_mask"].astype(bool)
+  return losses.choice_positions(batch["response_ids"], choice_after_id) & batch["reasoning_mask"].astype(bool)
 
 
 def span_weights(batch, reasoning_weight: float, answer_weight: float, choice_weight: float = 1.0,

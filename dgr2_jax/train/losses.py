@@ -80,3 +80,10 @@ def sft_loss(model_config, params, batch: dict, *, reasoning_weight: float = 1.0
       "denominator": denom,
   }
   return loss, metrics
+
+
+def choice_positions(tokens, choice_after_id: int):
+  """[b,R] bool: the positions right after a `choice_after_id` token (' #': the candidate numbers the
+  reasoning names, where the first pick is decided)."""
+  prev = jnp.concatenate([jnp.full_like(tokens[:, :1], -1), tokens[:, :-1]], 1)
+  return prev == choice_after_id

@@ -269,13 +269,6 @@ class Choice(NamedTuple):
   weight: float = 1.0
 
 
-def choice_positions(clean, choice_after_id: int):
-  """[b,R] bool: response tokens right after a `choice_after_id` token (' #': the candidate numbers
-  the reasoning names, where the first pick is decided; as CFT's `choice_weight`)."""
-  prev = jnp.concatenate([jnp.full_like(clean[:, :1], -1), clean[:, :-1]], 1)
-  return prev == choice_after_id
-
-
 def opd_loss(student_config, params, batch: dict, rng=None, teacher_params=None, *, block_size: int,
              teacher_cache: str = "full", mask_id=None, teacher_config=None,
              choice: Choice = Choice()) -> tuple[jax.Array, dict]:
@@ -284,7 +277,7 @@ def opd_loss(student_config, params, batch: dict, rng=None, teacher_params=None,
   takes the AR teacher's params as `teacher_params`, the training loop's frozen argument).
 
   The loss is the weighted mean of the per-token KL(teacher || student) over `loss_mask`, each
-  token weighing 1, or `choice.weight` at the candidate numbers (`choice_positions`, with
+  token weighing 1, or `choice.weight` at the candidate numbers (`losses.choice_positions`, with
   `choice.after_id` >= 0). Metrics: the unweighted token means of the KL (`kl_to_teacher`), of the
   reverse KL(student || teacher) on the student's own rollouts (`reverse_kl`) and of the argmax
   agreement; and, with `choice.after_id` >= 0, the KL and the agreement at the choice positions."""
@@ -298,7 +291,7 @@ def opd_loss(student_config, params, batch: dict, rng=None, teacher_params=None,
   w = m
   metrics = {}
   if choice.after_id >= 0:
-    at = choice_positions(batch["clean"], choice.after_id).astype(jnp.float32) * m
+    at = losses.choice_positions(batch["clean"], choice.after_id).astype(jnp.float32) * m
     w = m + (float(choice.weight) - 1.0) * at
     metrics.update(choice_kl=mean(kl, at), choice_agreement=mean(agree, at), choice_tokens=jnp.sum(at))
   denom = jnp.sum(w)

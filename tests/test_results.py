@@ -1,0 +1,18 @@
+"""dgr2_jax/results.py: what a results file records of the machine that made it."""
+
+from dgr2_jax import results
+
+
+def test_cpu_info_names_the_widest_isa_and_only_the_cpu_flags(tmp_path, monkeypatch):
+  """The CPU model, the widest vector ISA it has (of results.ISA_FLAGS, widest first) and the
+  `--xla_cpu_*` flags: the GPU flags the project adds to XLA_FLAGS itself are left out."""
+  fake = tmp_path / "cpuinfo"
+  fake.write_text("processor\t: 0\nmodel name\t: Some CPU 9000\nflags\t\t: fpu sse4_2 avx fma avx2 aes\n\n"
+                  "processor\t: 1\nmodel name\t: Some CPU 9000\nflags\t\t: fpu sse4_2 avx fma avx2 aes\n")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_graph_min_graph_size=1 --xla_cpu_max_isa=AVX2 --xla_cpu_use_xnnpack=false")
+  info = results.cpu_info(str(fake))
+  assert info == {"cpu_model": "Some CPU 9000", "cpu_isa": "avx2", "cpu_flags": ["avx2", "fma", "avx", "sse4_2"],
+                  "xla_flags": "--xla_cpu_max_isa=AVX2 --xla_cpu_use_xnnpack=false"}
+  fake.write_text("model name\t: Old\nflags\t\t: fpu sse2\n")
+  monkeypatch.delenv("XLA_FLAGS")
+  assert results.cpu_info(str(fake)) == {"cpu_model": "Old", "cpu_isa": "unknown", "cpu_flags": [], "xla_flags": ""}
