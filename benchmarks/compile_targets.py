@@ -31,7 +31,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 GIB = 2**30
 NAMES = {"beauty_qwen3_8b": "Qwen3-8B", "beauty_qwen3_0p6b": "Qwen3-0.6B"}
-MARK = ("<!-- compile-table -->", "<!-- /compile-table -->")
 
 
 def compile_all(args) -> dict:
@@ -119,11 +118,11 @@ def markdown(data: dict) -> str:
 
 
 def write_docs(path: str, table: str) -> None:
+  """`table` between the doc's `<!-- compile-table:targets -->` markers (`results.replace_marked`)."""
+  from dgr2_jax import fileio, results
   with open(path) as f:
     text = f.read()
-  a, b = text.index(MARK[0]) + len(MARK[0]), text.index(MARK[1])
-  with open(path, "w") as f:
-    f.write(text[:a] + "\n" + table + "\n" + text[b:])
+  fileio.write_text_atomic(path, results.replace_marked(text, {"targets": table}, "compile", path))
 
 
 def main():
