@@ -190,3 +190,14 @@ def test_committed_table_is_fresh_and_the_plan_holds_on_h100s():
   assert len(steps) == 10 and data["git_commit"]
   for model, row in steps:
     assert 0.9 <= row["plan"] / row["needed"] <= 1.1, (model, row["program"], row["plan"], row["needed"])
+
+
+def test_a_program_the_tpu_compiler_refuses_reads_as_not_fitting():
+  """XLA:TPU refuses, at compile time, a program whose buffers exceed the chip's HBM: the error's
+  figure becomes the row's (lower-bound) bytes; any other error is not read as a refusal."""
+  from dgr2_jax.aot import compile_run
+  # As XLA:TPU words it (the OPD step of Qwen3-8B compiled for v6e-8).
+  msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (36.72G) "
+         "exceeds available HBM (31.25G).")
+  assert compile_run.refused_bytes(RuntimeError(msg)) == (int(36.72 * 2**30), "HLO temporaries")
+  assert compile_run.refused_bytes(RuntimeError("INTERNAL: Mosaic failed to compile")) is None

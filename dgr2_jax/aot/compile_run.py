@@ -46,6 +46,7 @@ import json
 import math
 import os
 import re
+import time
 from typing import Any, Callable
 
 import jax
@@ -407,6 +408,33 @@ def _compile(job: Job) -> tuple[hlo.Program, int]:
   return prog, resident
 
 
+_REFUSED = re.compile(r"RESOURCE_EXHAUSTED: Ran out of memory.*?required for ([^(]*)\((\d+(?:\.\d+)?)([KMGT])\)", re.S)
+
+
+def refused_bytes(error: Exception) -> tuple[int, str] | None:
+  """(bytes, what) of a compile the target's compiler refused for want of device memory (XLA:TPU
+  checks at compile time: "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm ... the total
+  memory required for HLO temporaries (36.72G) exceeds available HBM (31.25G)"), else None."""
+  m = _REFUSED.search(str(error))
+  if not m:
+    return None
+  return int(float(m.group(2)) * 1024 ** "KMGT".index(m.group(3)) * 1024), m.group(1).strip()
+
+
+def _refused_row(config, mc, t: targets.Target, job: Job, depth: int, needed: int, what: str, seconds: float) -> dict:
+  """The row of a program the target's compiler refused: it does not fit, `needed` (what the
+  compiler says the `what` alone require, a lower bound) beside the plan."""
+  with platform.target(t.backend, name=t.name):
+    plan = plan_bytes(config, mc, job, t.num_devices)
+  return dict(program=job.name, stage=job.stage, kind=job.kind, target=t.name, platform=t.backend,
+              devices=t.num_devices, model_layers=mc.num_hidden_layers, compiled_layers=[depth],
+              memory={k: None for k in ("arguments", "outputs", "temporaries", "aliased", "peak")},
+              resident=None, needed=needed, plan=plan, plan_over_needed=None, device_memory=t.memory_bytes,
+              fits=False, attention="-", kernels=[], collectives={}, custom_calls={}, flops=None,
+              bytes_accessed=None, cost_source=None, compile_s=round(seconds, 1),
+              refused=f"the compiler refused it: {what} alone need {needed / GIB:.2f} GiB")
+
+
 def _numbers(prog: hlo.Program, resident: int) -> dict:
   m = prog.memory
   return dict(arguments=m.arguments, outputs=m.outputs, temporaries=m.temporaries, aliased=m.aliased,
@@ -445,17 +473,30 @@ def compile_programs(config, target, layers: tuple = (), progress=print, full_de
     if full_depth:
       passes.insert(0, (mc.num_hidden_layers, lambda j: j.kind in full_depth))
   runs: dict = {}
+  refused: dict = {}   # name -> the row of a program the target's compiler refused (XLA:TPU: out of HBM)
   for depth, wanted in passes:
     at = f" at {depth} layers" if layers else ""
     with targets.compile_for(t):
       for job in filter(wanted, jobs_for(config, mc.replace(num_hidden_layers=depth), only)):
+        if job.name in refused:
+          continue
         progress(f"compiling {job.name} for {t.name}{at} ...")
-        prog, resident = _compile(job)
+        start = time.perf_counter()
+        try:
+          prog, resident = _compile(job)
+        except jax.errors.JaxRuntimeError as e:
+          over = refused_bytes(e)
+          if over is None:
+            raise
+          refused[job.name] = _refused_row(config, mc, t, job, depth, *over, time.perf_counter() - start)
+          progress(f"  {job.name}: does not fit ({refused[job.name]['refused']})")
+          continue
         runs.setdefault(job.name, (job, []))[1].append((depth, prog, resident))
         progress(f"  {job.name}: {(prog.memory.peak + resident) / GIB:.2f} GiB per device, {route(prog)}, "
                  f"compiled in {prog.lower_s + prog.compile_s:.1f} s")
   order = [j.name for j in jobs_for(config, mc, only)]
-  return [_row(config, mc, t, *runs[name]) for name in order if name in runs]
+  return [refused[name] if name in refused else _row(config, mc, t, *runs[name])
+          for name in order if name in runs or name in refused]
 
 
 def _row(config, mc, t: targets.Target, job: Job, runs: list) -> dict:
@@ -520,7 +561,8 @@ def check_fits(rows: list[dict], t: targets.Target) -> None:
   if over:
     r = over[0]
     more = f" (and {len(over) - 1} more programs)" if len(over) > 1 else ""
-    raise DoesNotFit(f"{r['program']} does not fit {t.name}: it needs {r['needed']} bytes "
+    least = "at least " if r.get("refused") else ""
+    raise DoesNotFit(f"{r['program']} does not fit {t.name}: it needs {least}{r['needed']} bytes "
                      f"({r['needed'] / GIB:.2f} GiB) per device, a device has {t.memory_bytes} bytes "
                      f"({t.memory_bytes / GIB:.2f} GiB){more}")
 
