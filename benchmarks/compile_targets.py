@@ -5,6 +5,7 @@ table of docs/accelerators.md.
   python benchmarks/compile_targets.py                      # compile, write the JSON and the docs table
   python benchmarks/compile_targets.py --markdown_only      # the docs table again from the committed JSON
   python benchmarks/compile_targets.py --targets=v6e-8 --update   # one target again, the others kept
+  python benchmarks/compile_targets.py --replan             # the plan and fits again (no compile)
   python benchmarks/compile_targets.py --configs=beauty_qwen3_0p6b --targets=h100x8 --verify='eval threshold'
 
 For each config (configs/<name>.py, its model section's architecture) and target, every program a
@@ -66,6 +67,29 @@ def verify(config, t, extrapolated: list, names: list) -> list:
                error=round(by[r["program"]]["needed"] / r["needed"] - 1, 4)) for r in full]
 
 
+def replan(data: dict) -> dict:
+  """`data` with each row's plan (the dry run's, `compile_run.plan_bytes`) and its fit against the
+  target's memory (`targets.CHIPS`) recomputed by this checkout: a change to either needs no
+  compile. Records the commit in `plan_commit`."""
+  from dgr2_jax import results
+  from dgr2_jax.aot import compile_run, targets
+  for run in data["runs"]:
+    name = os.path.splitext(os.path.basename(run["config"]))[0]
+    config = importlib.import_module(f"configs.{name}").get_config()
+    t = targets.resolve(run["target"])
+    run["device_memory"] = t.memory_bytes
+    for row in run["programs"]:
+      row["device_memory"] = t.memory_bytes
+      if not row.get("refused"):
+        row["fits"] = row["needed"] <= t.memory_bytes
+      job = compile_run.Job(row["program"], row["stage"], row["kind"], build=None)
+      row["plan"] = compile_run.plan_for_target(config, t, job)
+      row["plan_over_needed"] = None if not row["plan"] or row["memory"]["peak"] is None else round(
+          row["plan"] / max(row["needed"], 1), 4)
+  data["plan_commit"] = results.git_commit()
+  return data
+
+
 # ---- the docs table -------------------------------------------------------------------------------
 def _collectives(row: dict) -> str:
   short = {"all-gather": "all-gather", "all-reduce": "all-reduce", "reduce-scatter": "reduce-scatter",
@@ -88,6 +112,8 @@ def markdown(data: dict) -> str:
          "the collectives are those of the compiled program (a decoder's at its larger depth: those of a layer "
          "repeat per layer), 'in loop' counting the ones a loop body runs (every layer of a scanned step, "
          "every decoding step)."]
+  if data.get("plan_commit"):
+    out.append(f"The plan column: commit `{data['plan_commit']}` (`--replan`).")
   commits = sorted({r["git_commit"] for r in data["runs"]})
   if len(commits) > 1:
     out.append("Runs of several commits: " + ", ".join(f"{r['model']} on {r['target']} at `{r['git_commit']}`"
@@ -135,10 +161,16 @@ def main():
   p.add_argument("--docs", default=os.path.join(ROOT, "docs", "accelerators.md"))
   p.add_argument("--markdown_only", action="store_true", help="rewrite the docs table from --json_out")
   p.add_argument("--update", action="store_true", help="replace only these (config, target) runs in --json_out")
+  p.add_argument("--replan", action="store_true", help="recompute the plan and the fits of --json_out (no compile)")
   args = p.parse_args()
-  if args.markdown_only:
+  if args.markdown_only or args.replan:
     with open(args.json_out) as f:
       data = json.load(f)
+    if args.replan:
+      data = replan(data)
+      with open(args.json_out, "w") as f:
+        json.dump(data, f, indent=1)
+      print(f"wrote {args.json_out}")
   else:
     data = compile_all(args)
     if args.update and os.path.exists(args.json_out):   # keep the other (config, target) runs

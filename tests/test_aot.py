@@ -215,6 +215,22 @@ def test_tpu_compile_reads_memory_collectives():
   assert {c.op for c in reduced.collectives} == {"all-reduce"} and scattered.memory.outputs == 64 * 256 * 2
 
 
+@tpu_compiler
+@pytest.mark.parametrize("name", ["v4-8", "v5e-4", "v5p-8", "v6e-8"])
+def test_tpu_memory_is_what_the_compiler_gives_a_program(name):
+  """A chip's memory in targets.CHIPS is the HBM XLA:TPU says is available, read from its refusal of
+  a program that needs more (fourteen 8 GB arrays alive at once)."""
+  import re
+  t = targets.resolve(name)
+  with targets.compile_for(t):
+    outer = lambda x, i: x[:, None] * x[None, :] * (i + 1.5)
+    big = jax.jit(lambda x: jnp.sort(jnp.stack([outer(x, i) for i in range(14)]), axis=0)[3].sum())
+    with pytest.raises(Exception, match="exceeds available HBM") as e:
+      hlo.compile_program(big, sd((46_000,), jnp.float32), name="too big")
+  available = float(re.search(r"exceeds available HBM \((\d+(?:\.\d+)?)G\)", str(e.value)).group(1))
+  assert abs(t.memory_bytes / 2**30 - available) < 0.01, (name, t.memory_bytes / 2**30, available)
+
+
 @gpu_compiler
 def test_compiled_gpu_programs_hold_the_targets_kernels():
   """No monkeypatch: inside the H100 target 'auto' takes cuDNN for training attention (forward and

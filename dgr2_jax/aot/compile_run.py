@@ -421,6 +421,14 @@ def refused_bytes(error: Exception) -> tuple[int, str] | None:
   return int(float(m.group(2)) * 1024 ** "KMGT".index(m.group(3)) * 1024), m.group(1).strip()
 
 
+def plan_for_target(config, t: targets.Target, job: Job) -> int | None:
+  """`plan_bytes` of `job` on target `t` (its devices, its memory, the routes it takes)."""
+  config = for_target(config, t)
+  mc, _ = model_config(config)
+  with platform.target(t.backend, name=t.name):
+    return plan_bytes(config, mc, job, t.num_devices)
+
+
 def _refused_row(config, mc, t: targets.Target, job: Job, depth: int, needed: int, what: str, seconds: float) -> dict:
   """The row of a program the target's compiler refused: it does not fit, `needed` (what the
   compiler says the `what` alone require, a lower bound) beside the plan."""

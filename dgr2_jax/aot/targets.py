@@ -50,14 +50,16 @@ class Chip:
   chip_config: str = ""    # TPU: libtpu's chip_config_name ('megacore': a chip's 2 cores as one device)
 
 
-# Per chip (one JAX device each: v4 / v5p run their two cores as one 'megacore' device).
+# Per chip (one JAX device each: v4 / v5p run their two cores as one 'megacore' device). A TPU's
+# memory is the HBM XLA:TPU gives a program, as its compiler states it when one exceeds it
+# ("exceeds available HBM (31.25G)" on v6e): a little under the chip's nominal 32 / 16 / 96 GiB.
 CHIPS = {
     "h100": Chip("gpu", 0, 989e12, 0.0, spec="h100_sxm.txtpb"),
     "h200": Chip("gpu", 0, 989e12, 0.0, spec="h200_sxm.txtpb"),
-    "v4": Chip("tpu", 32 * 2**30, 275e12, 1.228e12, dims=3, cores_per_chip=2, chip_config="megacore"),
-    "v5e": Chip("tpu", 16 * 2**30, 197e12, 0.819e12, dims=2, chip_config="default"),
-    "v5p": Chip("tpu", 95 * 2**30, 459e12, 2.765e12, dims=3, cores_per_chip=2, chip_config="megacore"),
-    "v6e": Chip("tpu", 32 * 2**30, 918e12, 1.64e12, dims=2, chip_config="default"),
+    "v4": Chip("tpu", int(30.75 * 2**30), 275e12, 1.228e12, dims=3, cores_per_chip=2, chip_config="megacore"),
+    "v5e": Chip("tpu", int(15.75 * 2**30), 197e12, 0.819e12, dims=2, chip_config="default"),
+    "v5p": Chip("tpu", int(95.74 * 2**30), 459e12, 2.765e12, dims=3, cores_per_chip=2, chip_config="megacore"),
+    "v6e": Chip("tpu", int(31.25 * 2**30), 918e12, 1.64e12, dims=2, chip_config="default"),
 }
 # The targets docs, tests and CI name (any name of the module docstring's forms resolves).
 NAMED = ("h100", "h100x2", "h100x8", "h200", "h200x8", "h100x8x2", "h200x8x2",

@@ -261,12 +261,13 @@ def format_plan(p: dict) -> str:
                  f"{'other':>13}{'rollout decode':>16}{'total':>13}  fits")
     for r in p["stages"]:
       fits = "-" if not cap else ("yes" if r["total_train"] <= cap else "NO")
-      other = r["accumulator"] + r["attention_copies"] + r["embedding_gradient"]
+      other = r["accumulator"] + r["attention_copies"] + r["embedding_gradient"] + r["xla_tpu"]
       lines.append(f"    {r['stage']:<11}{str(r['rows_per_device']) + ' x ' + str(r['sequence']):>13}"
                    f"{g(r['activations']):>14}{g(r['logits']):>13}{g(r['teacher_cache']):>15}{g(other):>13}"
                    f"{g(r['decode']):>16}{g(r['total_train']):>13}  {fits}")
     lines.append("    (other: gradient accumulation's sum, the input embedding's dense gradient and, on the cuDNN "
-                 "route, the multi-stream layout's context copies)")
+                 "route, the multi-stream layout's context copies; on a TPU, what XLA:TPU holds beyond these: "
+                 "dgr2_jax/train/memory_plan.py)")
   lines.append(f"  total (largest stage) {g(pd['total_train'])}")
   if cap:
     lines.append(f"  device       {g(cap)}  -> {'fits' if p['fits'] else 'DOES NOT FIT'} "

@@ -20,11 +20,16 @@ grad_accum_steps / (data * fsdp)) and T = the stage's sequence:
     (measured: XLA's temporary memory of the compiled OPD step is 5.3 chunks).
   * teacher cache (OPD): the step's rollouts on this device x R x bytes per token of
     `opd.teacher_cache` ('full' 4V, 'topk' 8k + 4, 'none' 0).
+  * XLA:TPU (a TPU platform or `compile_for` target): its compiled steps hold more than those
+    terms: the chunked logits loop carries the output head's gradient in f32 beside a bf16 copy
+    of the table (6 bytes per vocabulary x hidden entry, whole on every device), and about
+    TPU_RESIDUAL_COPIES more hidden-state vectors per token and layer than the scanned stack's
+    one (measured: the Qwen3-0.6B and -8B steps compiled for TPU v5p-16; docs/accelerators.md).
   * decode (rollouts, eval): the KV cache, rows x (P + R) x layers x 2 x kv heads x head_dim in
     the compute dtype, and a [rows, B, V] chunk of logits.
 The dry run adds the state (params, optimizer, gradients, frozen copies) and, with gradient
-accumulation, the gradients' f32 sum. On H100 x8 the training steps of the Qwen3-0.6B and -8B
-presets compile within 6% of the plan (docs/accelerators.md).
+accumulation, the gradients' f32 sum. The training steps of the Qwen3-0.6B and -8B presets
+compile within 10% of the plan on H100 x8, H200 x8 and the TPU slices of docs/accelerators.md.
 Sequences: SFT and the AR teacher's RL `P + R`; CFT `P + 2R` (prompt, clean, one canvas per block);
 OPD and RL replay `P + R + R/B * cap * B` (cap = replay canvases per block).
 """
@@ -37,6 +42,10 @@ from dgr2_jax.model import logits as logits_lib
 
 LOGIT_ARRAYS = 6          # [chunk, V] f32 arrays a chunked loss + gradient holds at once
 CONTEXT_COPIES = 6        # cuDNN multi-stream: context-sized k/v copies alive at once (`context_copies`)
+# XLA:TPU: hidden-state vectors per token and layer its compiled steps hold beyond the plan's
+# (least squares over the ten training steps of both presets compiled for v5p-16: 2.1; rounded up).
+TPU_RESIDUAL_COPIES = 2.25
+TPU_HEAD_BYTES = 6        # per vocabulary x hidden entry: the head's f32 gradient + a bf16 copy of it
 TRAIN_STAGES = ("sft", "teacher_rl", "cft", "opd", "rl")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -95,6 +104,10 @@ def plan_stage(config, mc, stage: str, dims: tuple[int, int, int]) -> dict:
   # The input embedding's gradient: the lookup's scatter into a dense [V, E] array in the compute
   # dtype, whole on every device until it is reduced (compiled programs).
   embed_grad = mc.vocab_size * h * d
+  xla_tpu = 0
+  if _backend() == "tpu":
+    xla_tpu = (TPU_HEAD_BYTES * mc.vocab_size * h
+               + TPU_RESIDUAL_COPIES * rows * t * mc.num_hidden_layers * h * d)
   n_pos = rows * lay["loss"]
   chunk = logits_lib.positions_per_chunk(mc.vocab_size, n_pos, getattr(mc, "logits_chunk", 0))
   logits = LOGIT_ARRAYS * chunk * math.ceil(mc.vocab_size / tensor) * 4
@@ -117,7 +130,12 @@ def plan_stage(config, mc, stage: str, dims: tuple[int, int, int]) -> dict:
   return dict(stage=stage, rows_per_device=rows, micro_batches=lay["micro"], sequence=t, attention=impl,
               activations=int(act), attention_copies=int(copies), embedding_gradient=int(embed_grad),
               logits=int(logits), logits_chunk=chunk, teacher_cache=int(cache), decode=decode,
-              total=int(act + copies + embed_grad + logits + cache))
+              xla_tpu=int(xla_tpu), total=int(act + copies + embed_grad + logits + cache + xla_tpu))
+
+
+def _backend() -> str:
+  from dgr2_jax import platform
+  return platform.backend()
 
 
 def attention_route(mc) -> str:
