@@ -99,6 +99,11 @@ def _collectives(row: dict) -> str:
   return ", ".join(parts) or "none"
 
 
+def _needed(row: dict) -> str:
+  """GiB per device; '>= x' where the TPU compiler refused the program (what its temporaries alone need)."""
+  return (">= " if row.get("refused") else "") + f"{row['needed'] / GIB:.1f}"
+
+
 def markdown(data: dict) -> str:
   """A summary per model (GiB per device, fits or not, per target) and per (model, target) the
   programs' attention routes and collectives."""
@@ -111,7 +116,8 @@ def markdown(data: dict) -> str:
          f"{' and '.join(map(str, data['runs'][0]['layers'])) or 'full depth'} layers and extrapolated to it; "
          "the collectives are those of the compiled program (a decoder's at its larger depth: those of a layer "
          "repeat per layer), 'in loop' counting the ones a loop body runs (every layer of a scanned step, "
-         "every decoding step)."]
+         "every decoding step); '>= x': the TPU compiler refused the program, x being what its temporaries "
+         "alone need."]
   if data.get("plan_commit"):
     out.append(f"The plan column: commit `{data['plan_commit']}` (`--replan`).")
   commits = sorted({r["git_commit"] for r in data["runs"]})
@@ -130,7 +136,7 @@ def markdown(data: dict) -> str:
       cells = []
       for r in runs:
         row = {x["program"]: x for x in r["programs"]}[name]
-        cells.append(f"{row['needed'] / GIB:.1f}" + ("" if row["fits"] else " **does not fit**"))
+        cells.append(_needed(row) + ("" if row["fits"] else " **does not fit**"))
       out.append(f"| {name} | " + " | ".join(cells) + " |")
     for r in runs:
       hosts = f"{r['processes']} hosts" if r["processes"] > 1 else "1 host"
@@ -138,7 +144,7 @@ def markdown(data: dict) -> str:
               "| program | GiB / device | plan GiB | attention | collectives |", "|---|---|---|---|---|"]
       for row in r["programs"]:
         plan = "-" if row["plan"] is None else f"{row['plan'] / GIB:.1f}"
-        out.append(f"| {row['program']} | {row['needed'] / GIB:.1f} | {plan} | {row['attention']} | "
+        out.append(f"| {row['program']} | {_needed(row)} | {plan} | {row['attention']} | "
                    f"{_collectives(row)} |")
   return "\n".join(out)
 
