@@ -330,10 +330,16 @@ def jobs_for(config, mc, only: tuple = ()) -> list[Job]:
   return [j for j in jobs if not only or j.name in only]
 
 
-def plan_bytes(config, mc, job: Job, num_devices: int) -> int | None:
-  """The dry run's plan of what `job` needs per device: a step's `dry_run.step_bytes`; a rollouts
-  decoder's train state, frozen copies and decode row (`memory_plan.plan_stage`); a decoder's
-  params and KV cache (`dry_run.decode_bytes`; the speculative pair: both models')."""
+def plan_bytes(config, mc, job: Job, t: targets.Target) -> int | None:
+  """The dry run's plan of what `job` needs per device of target `t`, with the routes and compiler
+  `t` takes: a step's `dry_run.step_bytes`; a rollouts decoder's train state, frozen copies and
+  decode row (`memory_plan.plan_stage`); a decoder's params and KV cache (`dry_run.decode_bytes`;
+  the speculative pair: both models')."""
+  with platform.target(t.backend, name=t.name):
+    return _plan_bytes(config, mc, job, t.num_devices)
+
+
+def _plan_bytes(config, mc, job: Job, num_devices: int) -> int | None:
   if job.kind == "step":
     return dry_run.step_bytes(config, mc, job.stage, num_devices)["train_step"]
   if job.kind == "rollouts":
@@ -424,16 +430,13 @@ def refused_bytes(error: Exception) -> tuple[int, str] | None:
 def plan_for_target(config, t: targets.Target, job: Job) -> int | None:
   """`plan_bytes` of `job` on target `t` (its devices, its memory, the routes it takes)."""
   config = for_target(config, t)
-  mc, _ = model_config(config)
-  with platform.target(t.backend, name=t.name):
-    return plan_bytes(config, mc, job, t.num_devices)
+  return plan_bytes(config, model_config(config)[0], job, t)
 
 
 def _refused_row(config, mc, t: targets.Target, job: Job, depth: int, needed: int, what: str, seconds: float) -> dict:
   """The row of a program the target's compiler refused: it does not fit, `needed` (what the
   compiler says the `what` alone require, a lower bound) beside the plan."""
-  with platform.target(t.backend, name=t.name):
-    plan = plan_bytes(config, mc, job, t.num_devices)
+  plan = plan_bytes(config, mc, job, t)
   return dict(program=job.name, stage=job.stage, kind=job.kind, target=t.name, platform=t.backend,
               devices=t.num_devices, model_layers=mc.num_hidden_layers, compiled_layers=[depth],
               memory={k: None for k in ("arguments", "outputs", "temporaries", "aliased", "peak")},
@@ -510,8 +513,7 @@ def compile_programs(config, target, layers: tuple = (), progress=print, full_de
 def _row(config, mc, t: targets.Target, job: Job, runs: list) -> dict:
   depth, prog, resident = runs[-1]
   nums = _extrapolate(runs, mc.num_hidden_layers) if len(runs) == 2 else _numbers(prog, resident)
-  with platform.target(t.backend, name=t.name):   # the routes the target's plan assumes
-    plan = plan_bytes(config, mc, job, t.num_devices)
+  plan = plan_bytes(config, mc, job, t)
   return dict(program=job.name, stage=job.stage, kind=job.kind, target=t.name, platform=prog.platform,
               devices=prog.devices, model_layers=mc.num_hidden_layers, compiled_layers=[d for d, _, _ in runs],
               memory={k: nums[k] for k in ("arguments", "outputs", "temporaries", "aliased", "peak")},

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 
+from dgr2_jax import platform
 from dgr2_jax.model import logits as logits_lib
 
 LOGIT_ARRAYS = 6          # [chunk, V] f32 arrays a chunked loss + gradient holds at once
@@ -105,7 +106,7 @@ def plan_stage(config, mc, stage: str, dims: tuple[int, int, int]) -> dict:
   # dtype, whole on every device until it is reduced (compiled programs).
   embed_grad = mc.vocab_size * h * d
   xla_tpu = 0
-  if _backend() == "tpu":
+  if platform.backend() == "tpu":
     xla_tpu = (TPU_HEAD_BYTES * mc.vocab_size * h
                + TPU_RESIDUAL_COPIES * rows * t * mc.num_hidden_layers * h * d)
   n_pos = rows * lay["loss"]
@@ -133,16 +134,10 @@ def plan_stage(config, mc, stage: str, dims: tuple[int, int, int]) -> dict:
               xla_tpu=int(xla_tpu), total=int(act + copies + embed_grad + logits + cache + xla_tpu))
 
 
-def _backend() -> str:
-  from dgr2_jax import platform
-  return platform.backend()
-
-
 def attention_route(mc) -> str:
   """The route a training step's attention takes: the config's, 'auto' as the platform built for
   resolves it (model/attention.py `auto_impl`: cuDNN on GPUs, the TPU kernels on TPUs, blockwise
   elsewhere; a compile-only target's inside `aot.targets.compile_for`)."""
-  from dgr2_jax import platform
   from dgr2_jax.model import attention
   return mc.attention_impl if mc.attention_impl != "auto" else attention.auto_impl(1, 1, None, platform.backend())
 
