@@ -105,17 +105,19 @@ def get_config(arg: str = ""):
   c.teacher_rl.keep_best = True
   c.teacher_rl.prompt_pool = "natural"
   c.teacher_rl.dynamic_sampling = 4
-  # On-policy distillation as the demo's (48 steps of 32 prompts x 1 rollout, lr 1e-4, the
-  # candidate choices weighted 10x), kept on validation: greedy Recall@1 of every validation user
-  # (2,407) at steps 0 (the CFT model) and 48, one later point (a bar of 1.96 paired SEs, not
-  # 2.24 for two). The held-out KL of 32 validation users is logged each step.
+  # On-policy distillation as the demo's (64 steps of 32 prompts x 1 rollout, lr 1e-4, the
+  # candidate choices weighted 10x, rollouts at temperature 0.7), kept on validation: greedy
+  # Recall@1 of every validation user (2,407) at steps 0 (the CFT model) and 64, one later point
+  # (a bar of 1.96 paired SEs, not 2.24 for two). The held-out KL of 32 validation users is
+  # logged each step.
   c.opd.prompts_per_step = 32
   c.opd.rollouts_per_prompt = 1
-  c.opd.steps = 48
+  c.opd.steps = 64
   c.opd.lr = 1e-4
   c.opd.choice_weight = 10.0
+  c.opd.temperature = 0.7
   c.opd.heldout_prompts = 32
-  c.opd.valid_every = 48
+  c.opd.valid_every = 64
   c.opd.valid_prompts = 4096
   c.opd.keep_best = True
   # The diffusion model's RL: 16 steps, validation at steps 0 and 16 (over 32 steps the curve was
