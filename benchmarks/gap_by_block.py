@@ -155,7 +155,7 @@ def summary(cells: dict) -> dict:
 
 
 def render(stage: str, n: int, rows: dict) -> str:
-  lines = [f"{stage} (n = {n:,})", "",
+  lines = [f"The `{stage}` model (n = {n:,} users):", "",
            "| reasoning / answer | recall@1 | vs teacher [95% CI] | valid | first pick as the teacher's |",
            "|---|---|---|---|---|"]
   for k, r in rows.items():
