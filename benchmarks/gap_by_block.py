@@ -186,22 +186,19 @@ def write_docs(record: dict, doc: str, json_path: str) -> None:
   print(f"wrote {doc}")
 
 
-def config_name() -> str:
-  """The --config file's stem ('demo', 'beauty_cpu'): the doc markers' name."""
-  for a in sys.argv[1:]:
-    if a.startswith("--config="):
-      return os.path.splitext(os.path.basename(a.split("=", 1)[1].split(":")[0]))[0]
-  return "demo"
-
-
 def main(argv):
   del argv
   main_lib.quiet_logs(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)
-  if _RENDER.value:
+  if _RENDER.value:   # the docs from a recorded JSON, nothing run
     with open(_RENDER.value) as f:
-      write_docs(json.load(f), _DOCS.value, _RENDER.value)
-    return
-  config, workdir = _CONFIG.value, _WORKDIR.value
+      record = json.load(f)
+    write_docs(record, _DOCS.value, _RENDER.value)
+  else:
+    measure(_CONFIG.value, _WORKDIR.value)
+
+
+def measure(config, workdir: str) -> None:
+  """Every stage's table on the split, printed, and with --out / --docs recorded."""
   b = int(config.task.get("answer_block", 0))
   if not b:
     raise SystemExit("gap_by_block: task.answer_block is 0: the answer has no block of its own to split at")
@@ -211,8 +208,8 @@ def main(argv):
   teacher = writer(config, chain.teacher_model_dir(config, workdir), vt["tids"], ar=True)
   record = {"command": " ".join(["python benchmarks/gap_by_block.py"] +
                                 ["--workdir=WORKDIR" if a.startswith("--workdir=") else a for a in sys.argv[1:]]),
-            "commit": results.git_commit(), "name": config_name(), "machine": results.cpu_info(),
-            "cores": os.cpu_count(),
+            "commit": results.git_commit(), "name": results.config_stem(sys.argv[1:]),
+            "machine": results.cpu_info(), "cores": os.cpu_count(),
             "split": _SPLIT.value, "n": n, "reasoning_tokens": b, "stages": {}}
   for stage in _STAGES.value:
     student = writer(config, os.path.join(workdir, stage, "model"), vt["tids"], ar=False)

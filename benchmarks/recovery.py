@@ -156,21 +156,14 @@ def main(argv):
   # The workdir is this machine's; the record names it WORKDIR.
   argv = ["--workdir=WORKDIR" if a.startswith("--workdir=") else a for a in sys.argv[1:]]
   record = {"command": " ".join(["python benchmarks/recovery.py"] + argv), "commit": results.git_commit(),
-            "name": config_name(), "machine": results.cpu_info(), "cores": os.cpu_count(), "rows": rows}
+            "name": results.config_stem(sys.argv[1:]), "machine": results.cpu_info(), "cores": os.cpu_count(),
+            "rows": rows}
   if _OUT.value:
     fileio.write_json_atomic(_OUT.value, record)
     print(f"wrote {_OUT.value}")
   print(render(rows))
   if _DOCS.value:
     write_docs(record, _DOCS.value, _OUT.value)
-
-
-def config_name() -> str:
-  """The --config file's stem ('demo', 'beauty_cpu'): the doc markers' name."""
-  for a in sys.argv[1:]:
-    if a.startswith("--config="):
-      return os.path.splitext(os.path.basename(a.split("=", 1)[1].split(":")[0]))[0]
-  return "demo"
 
 
 def write_docs(record: dict, doc: str, json_path: str) -> None:

@@ -232,6 +232,15 @@ def write_frontier(out_dir: str, rows: Sequence[dict], m: dict) -> list:
 
 
 # ---- generated tables in the docs (benchmarks/gpu_tables.py, benchmarks/compiled_tables.py) ------------
+def config_stem(argv, default: str = "demo") -> str:
+  """The stem of the `--config=` file among `argv` ('demo', 'beauty_cpu'; variants after ':'
+  dropped): the name of a benchmark's doc markers."""
+  for a in argv:
+    if a.startswith("--config="):
+      return os.path.splitext(os.path.basename(a.split("=", 1)[1].split(":")[0]))[0]
+  return default
+
+
 def replace_marked(text: str, tables: dict, kind: str, doc: str = "") -> str:
   """`text` with the block between each `<!-- {kind}-table:NAME -->` and `<!-- /{kind}-table:NAME -->`
   replaced by tables[NAME]. A marker pair missing is an error naming the doc and the table."""

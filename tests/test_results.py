@@ -16,3 +16,9 @@ def test_cpu_info_names_the_widest_isa_and_only_the_cpu_flags(tmp_path, monkeypa
   fake.write_text("model name\t: Old\nflags\t\t: fpu sse2\n")
   monkeypatch.delenv("XLA_FLAGS")
   assert results.cpu_info(str(fake)) == {"cpu_model": "Old", "cpu_isa": "unknown", "cpu_flags": [], "xla_flags": ""}
+
+
+def test_config_stem_names_the_config_file_without_its_variants():
+  assert results.config_stem(["--workdir=/w", "--config=configs/beauty_cpu.py:smoke"]) == "beauty_cpu"
+  assert results.config_stem(["--config=/x/demo.py"]) == "demo"
+  assert results.config_stem([], default="other") == "other"
