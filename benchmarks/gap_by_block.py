@@ -35,6 +35,7 @@ rewrites them from a recorded JSON without running anything.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -60,14 +61,18 @@ from dgr2_jax.task import diagnostics  # noqa: E402
 from dgr2_jax.task import metrics as metrics_lib  # noqa: E402
 from dgr2_jax.train import rollouts  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", os.path.join(REPO, "configs", "demo.py"), "pipeline config file")
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/dgr2_demo", "a pipeline workdir holding the teacher and the students")
-_STAGES = flags.DEFINE_list("stages", ["cft", "opd"], "the diffusion model stages to split")
-_SPLIT = flags.DEFINE_string("split", "valid", "held-out split")
-_MAX = flags.DEFINE_integer("max_examples", 0, "users (0 = every user whose target is listed)")
-_OUT = flags.DEFINE_string("out", "", "JSON path ('' = print only)")
-_DOCS = flags.DEFINE_string("docs", "", "a doc whose gap-by-block table to rewrite ('' = none)")
-_RENDER = flags.DEFINE_string("render", "", "a recorded JSON to render into --docs (runs nothing)")
+def define_flags() -> dict:
+  """The command line's flags, defined when run as a script (so that importing this module, as its
+  tests do beside other benchmarks, defines none)."""
+  return dict(
+      config=config_flags.DEFINE_config_file("config", os.path.join(REPO, "configs", "demo.py"), "pipeline config"),
+      workdir=flags.DEFINE_string("workdir", "/tmp/dgr2_demo", "a pipeline workdir with the teacher and students"),
+      stages=flags.DEFINE_list("stages", ["cft", "opd"], "the diffusion model stages to split"),
+      split=flags.DEFINE_string("split", "valid", "held-out split"),
+      max_examples=flags.DEFINE_integer("max_examples", 0, "users (0 = every user whose target is listed)"),
+      out=flags.DEFINE_string("out", "", "JSON path ('' = print only)"),
+      docs=flags.DEFINE_string("docs", "", "a doc whose gap-by-block table to rewrite ('' = none)"),
+      render=flags.DEFINE_string("render", "", "a recorded JSON to render into --docs (runs nothing)"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,43 +191,46 @@ def write_docs(record: dict, doc: str, json_path: str) -> None:
   print(f"wrote {doc}")
 
 
-def main(argv):
+def main(argv, f: dict):
   del argv
   main_lib.quiet_logs(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)
-  if _RENDER.value:   # the docs from a recorded JSON, nothing run
-    with open(_RENDER.value) as f:
-      record = json.load(f)
-    write_docs(record, _DOCS.value, _RENDER.value)
+  if f["render"].value:   # the docs from a recorded JSON, nothing run
+    with open(f["render"].value) as fh:
+      record = json.load(fh)
+    write_docs(record, f["docs"].value, f["render"].value)
   else:
-    measure(_CONFIG.value, _WORKDIR.value)
+    measure(f["config"].value, f["workdir"].value, {k: v.value for k, v in f.items() if k != "config"})
 
 
-def measure(config, workdir: str) -> None:
-  """Every stage's table on the split, printed, and with --out / --docs recorded."""
+def measure(config, workdir: str, opts: dict) -> None:
+  """Every stage's table on the split (`opts`: the flags' values), printed, and with out / docs
+  recorded."""
   b = int(config.task.get("answer_block", 0))
   if not b:
     raise SystemExit("gap_by_block: task.answer_block is 0: the answer has no block of its own to split at")
-  vt = on_policy.task_setup(config, workdir, _SPLIT.value)
-  n = len(vt["prompts"]["prompt_ids"]) if not _MAX.value else min(_MAX.value, len(vt["prompts"]["prompt_ids"]))
+  vt = on_policy.task_setup(config, workdir, opts["split"])
+  n = len(vt["prompts"]["prompt_ids"])
+  n = min(opts["max_examples"], n) if opts["max_examples"] else n
   prompts = {k: v[:n] for k, v in vt["prompts"].items()}
   teacher = writer(config, chain.teacher_model_dir(config, workdir), vt["tids"], ar=True)
   record = {"command": " ".join(["python benchmarks/gap_by_block.py"] +
                                 ["--workdir=WORKDIR" if a.startswith("--workdir=") else a for a in sys.argv[1:]]),
             "commit": results.git_commit(), "name": results.config_stem(sys.argv[1:]),
             "machine": results.cpu_info(), "cores": os.cpu_count(),
-            "split": _SPLIT.value, "n": n, "reasoning_tokens": b, "stages": {}}
-  for stage in _STAGES.value:
+            "split": opts["split"], "n": n, "reasoning_tokens": b, "stages": {}}
+  for stage in opts["stages"]:
     student = writer(config, os.path.join(workdir, stage, "model"), vt["tids"], ar=False)
     eos = set(student.decode.eos_ids) | set(teacher.decode.eos_ids)
     cells = split_gap(teacher, student, prompts, b, lambda t: hits(t, eos, vt["tokenizer"], prompts, vt["sids"]))
     record["stages"][stage] = summary(cells)
     print(render(stage, n, record["stages"][stage]), flush=True)
-  if _OUT.value:
-    fileio.write_json_atomic(_OUT.value, record)
-    print(f"wrote {_OUT.value}")
-  if _DOCS.value:
-    write_docs(record, _DOCS.value, _OUT.value)
+  if opts["out"]:
+    fileio.write_json_atomic(opts["out"], record)
+    print(f"wrote {opts['out']}")
+  if opts["docs"]:
+    write_docs(record, opts["docs"], opts["out"])
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _flags = define_flags()
+  app.run(functools.partial(main, f=_flags))
