@@ -56,9 +56,7 @@ from dgr2_jax import results  # noqa: E402
 from dgr2_jax.decode import sampler  # noqa: E402
 from dgr2_jax.stages import on_policy  # noqa: E402
 from dgr2_jax.stages import teacher_rl  # noqa: E402
-from dgr2_jax.task import answer as answer_lib  # noqa: E402
 from dgr2_jax.task import diagnostics  # noqa: E402
-from dgr2_jax.task import metrics as metrics_lib  # noqa: E402
 from dgr2_jax.train import rollouts  # noqa: E402
 
 def define_flags() -> dict:
@@ -114,21 +112,11 @@ def continue_after(w: Writer, prompt_ids, prompt_len, head) -> np.ndarray:
 
 
 def hits(tokens, eos_ids, tokenizer, prompts, sids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Per user: hit at 1, valid answer, first pick (-1 if invalid), as the validation curves parse
-  (an invalid or unfinished answer falls back to the retriever's order)."""
-  h, v, first = [], [], []
-  for row, cand, r_d in zip(tokens, prompts["candidates"], prompts["target_rank_in_candidates"]):
-    ends = [j for j, t in enumerate(row) if int(t) in eos_ids]
-    parsed = None
-    if ends:
-      text = tokenizer.decode([int(t) for t in row[:ends[0] + 1]], skip_special_tokens=False)
-      parsed = answer_lib.parse_response(text, [sids[int(i)] for i in cand])
-    ok = parsed is not None and parsed.valid
-    rank = metrics_lib.target_rank(parsed.positions, int(r_d) - 1) if ok else int(r_d)
-    h.append(int(rank == 1))
-    v.append(int(ok))
-    first.append(int(parsed.positions[0]) if ok else -1)
-  return np.array(h), np.array(v), np.array(first)
+  """Per user: hit at 1, valid answer, first pick (-1 if invalid) of responses [n, R], judged as the
+  validation curves judge (`on_policy.judge`: through the first EOS; no EOS = unfinished)."""
+  ends = [[j for j, t in enumerate(row) if int(t) in eos_ids] for row in tokens]
+  output_ids = [[int(t) for t in row[:e[0] + 1]] if e else [] for row, e in zip(tokens, ends)]
+  return tuple(np.array(x) for x in on_policy.judge(output_ids, [bool(e) for e in ends], prompts, tokenizer, sids))
 
 
 def split_gap(teacher: Writer, student: Writer, prompts: dict, b: int, score) -> dict:

@@ -123,6 +123,22 @@ def prompt_iterator(prompts: dict, prompts_per_step: int, seed: int):
   return pipeline.make_iterator(prompts, prompts_per_step, seed=seed, field="prompts_per_step")
 
 
+def judge(output_ids, finished, prompts: dict, tokenizer, sids) -> tuple[list[int], list[int], list[int]]:
+  """Per row of `prompts`: hit at 1, valid answer, first pick (candidate index, -1 when invalid) of
+  its output ids (through EOS); an unfinished or invalid answer falls back to the retriever's
+  order, as in evaluation."""
+  hits, valid, first = [], [], []
+  for ids, fin, cand, r_d in zip(output_ids, finished, prompts["candidates"], prompts["target_rank_in_candidates"]):
+    parsed = answer_lib.parse_response(tokenizer.decode(ids, skip_special_tokens=False),
+                                       [sids[int(i)] for i in cand]) if fin else None
+    ok = parsed is not None and parsed.valid
+    rank = metrics_lib.target_rank(parsed.positions, int(r_d) - 1) if ok else int(r_d)
+    hits.append(int(rank == 1))
+    valid.append(int(ok))
+    first.append(int(parsed.positions[0]) if ok else -1)
+  return hits, valid, first
+
+
 def validator(config, workdir: str, rc, policy_cfg, dc):
   """`params -> {"valid_recall@1", "valid_valid_rate", "valid_hits"}` for an on-policy stage whose
   section `rc` has valid_every / valid_prompts (opd, rl, teacher_rl): greedy decoding (the
@@ -142,15 +158,7 @@ def validator(config, workdir: str, rc, policy_cfg, dc):
   def evaluate(params) -> dict:
     roll = rollouts.sample(policy_cfg, params, prompts["prompt_ids"], prompts["prompt_len"], greedy,
                            jax.random.PRNGKey(0), 1)
-    hits, valid = [], []
-    for ids, fin, cand, r_d in zip(roll["output_ids"], roll["finished"], prompts["candidates"],
-                                   prompts["target_rank_in_candidates"]):
-      parsed = answer_lib.parse_response(vt["tokenizer"].decode(ids, skip_special_tokens=False),
-                                         [vt["sids"][int(i)] for i in cand]) if fin else None
-      ok = parsed is not None and parsed.valid
-      rank = metrics_lib.target_rank(parsed.positions, int(r_d) - 1) if ok else int(r_d)
-      hits.append(int(rank == 1))
-      valid.append(int(ok))
+    hits, valid, _ = judge(roll["output_ids"], roll["finished"], prompts, vt["tokenizer"], vt["sids"])
     parts = multihost.allgather("valid_curve", [hits, valid])   # [process][hits | valid][its j-th user]
     user_order = lambda k: [parts[p][k][j] for j in range(n // pc) for p in range(pc)]   # user j * P + p
     all_hits, all_valid = user_order(0), user_order(1)
