@@ -110,7 +110,7 @@ def get_config(arg: str = ""):
   # Recall@1 of every validation user (2,407) at steps 0 (the CFT model) and 64, one later point
   # (a bar of 1.96 paired SEs, not 2.24 for two). The held-out KL of 32 validation users is
   # logged each step.
-  c.opd.prompts_per_step = 128
+  c.opd.prompts_per_step = 32
   c.opd.rollouts_per_prompt = 1
   c.opd.steps = 64
   c.opd.lr = 1e-4

@@ -411,30 +411,3 @@ def test_reverse_kl_and_choice_weight(setup):
                        block_size=1, teacher_cache="none", mask_id=63, teacher_config=cfg)
   np.testing.assert_allclose(float(mn["reverse_kl"]), rev[m].mean(), rtol=1e-4)
 
-
-def test_best_of_groups_keeps_the_most_disagreeing_prompt_of_each_run():
-  """Against a plain-Python reference: runs of `best_of` consecutive prompts, each prompt's rows
-  consecutive, the prompt with the largest mean row score kept (the first on ties)."""
-  rng = np.random.default_rng(0)
-  for k, g, runs in ((1, 1, 3), (4, 1, 5), (3, 2, 4), (2, 4, 1)):
-    s = rng.integers(0, 4, size=runs * k * g).astype(float)   # small integers: ties happen
-    ref = []
-    for r in range(runs):
-      means = [sum(s[(r * k + j) * g + i] for i in range(g)) / g for j in range(k)]
-      j = max(range(k), key=lambda j: (means[j], -j))
-      ref += [(r * k + j) * g + i for i in range(g)]
-    np.testing.assert_array_equal(opd.best_of_groups(s, k, g), ref)
-  with pytest.raises(ValueError, match="whole runs"):
-    opd.best_of_groups(np.zeros(6), 4, 1)
-
-
-def test_row_divergence_is_the_losss_weighting_per_row():
-  """Each row's weighted mean equals `opd_loss`'s value on that row alone."""
-  div = np.array([[1.0, 2.0, 3.0, 4.0], [5.0, 0.0, 0.0, 0.0]])
-  mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0]], bool)
-  clean = np.array([[9, 7, 9, 7], [9, 9, 9, 9]])
-  np.testing.assert_allclose(opd.row_divergence(div, mask, clean, opd.Choice()), [2.0, 5.0])
-  # choice weight 3 after token 9: row 0's positions 1 and 3 follow a 9 (3 is outside the mask).
-  np.testing.assert_allclose(opd.row_divergence(div, mask, clean, opd.Choice(9, 3.0)),
-                             [(1 + 3 * 2 + 3) / 5, 5.0])
-  np.testing.assert_allclose(opd.row_divergence(div, np.zeros_like(mask), clean, opd.Choice()), [0.0, 0.0])

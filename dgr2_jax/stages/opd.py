@@ -73,26 +73,11 @@ class Distillation:
   frozen: Any = None  # the teacher's params when opd.teacher_cache='none' (loss_fn's 4th argument)
   student_config: Any = None  # the block-diffusion config the rollouts decode with
   decode_config: Any = None   # the rollouts' decode config (temperature oc.temperature)
-  # `select(params, batch) -> (kept row indices, metrics)` with opd.best_of > 1, else None.
-  select: Callable | None = None
 
   def make_batch(self, params, prompts, key):
     roll, scored = self.sample(params, prompts, key)
     batch, seg = self.batch(roll)
-    extra = {}
-    if self.select is not None:
-      keep, extra = self.select(params, batch)
-      roll, scored, seg, batch = (_rows(x, keep, len(roll["tokens"])) for x in (roll, scored, seg, batch))
-    return batch, dict(rollout_metrics(roll, scored, seg), **extra)
-
-
-def _rows(fields: dict, keep, rows: int) -> dict:
-  """`fields` with every per-row entry (an array or list over `rows`) cut to the rows `keep`."""
-  def take(v):
-    if isinstance(v, (list, tuple)):
-      return [v[i] for i in keep] if len(v) == rows else v
-    return v[keep] if np.ndim(v) and len(v) == rows else v
-  return {k: take(v) for k, v in fields.items()}
+    return batch, rollout_metrics(roll, scored, seg)
 
 
 def distillation(config, oc, task: dict, src: str, teacher_dir: str) -> Distillation:
@@ -182,29 +167,8 @@ def distillation(config, oc, task: dict, src: str, teacher_dir: str) -> Distilla
   frozen = tparams if mode == "none" else None
   kl_jit = jax.jit(lambda p, b, t: opd.token_kl(student_cfg, p, b, teacher=(tcfg, t) if mode == "none" else None,
                                                 **kw))
-  token_kl_fn = lambda p, b: kl_jit(p, b, tparams)
-  best_of = int(oc.get("best_of", 1))
-  select = None
-  if best_of > 1:
-    choice = opd.Choice(choice_id, float(oc.get("choice_weight", 1.0)))
-    forward = str(oc.get("divergence", "forward")) == "forward"
-
-    def select(p, b):
-      """The rows of the prompt the teacher disagrees with most in each run of best_of (module
-      docstring of train/opd.py: `best_of_groups`); scored as the update scores them."""
-      n = len(b["loss_mask"])
-      scored_b = b
-      if jax.process_count() > 1:   # this process's rows of one global batch, as the rollouts were
-        rows_sh = rollouts.global_rows_sharding(p)
-        scored_b = {k: rollouts.to_global(np.asarray(v), rows_sh) for k, v in b.items()}
-      kl, _, rkl = token_kl_fn(p, scored_b)
-      div = kl if forward else rkl
-      div = rollouts.to_local(div, n) if jax.process_count() > 1 else np.asarray(div)
-      score = opd.row_divergence(div, b["loss_mask"], b["clean"], choice)
-      keep = opd.best_of_groups(score, best_of, g)
-      return keep, {"drawn_divergence": float(score.mean()), "kept_divergence": float(score[keep].mean())}
-  return Distillation(mc, params, sample, batch, loss, token_kl_fn, frozen,
-                      student_config=student_cfg, decode_config=dc, select=select)
+  return Distillation(mc, params, sample, batch, loss, lambda p, b: kl_jit(p, b, tparams), frozen,
+                      student_config=student_cfg, decode_config=dc)
 
 
 def loss_for(oc, student_cfg, teacher_cfg, mask_id: int, choice_id: int):
@@ -258,8 +222,7 @@ def _hash(config, workdir: str, upstream: dict) -> str:
   # Fields at the values that train as before they existed, and metrics-only fields, stay out of the
   # hash (built stages stay fresh).
   unset = (["heldout_prompts"] + (["choice_weight"] if float(oc.get("choice_weight", 1.0)) == 1.0 else [])
-           + (["divergence"] if oc.get("divergence", "forward") == "forward" else [])
-           + (["best_of"] if int(oc.get("best_of", 1)) == 1 else []))
+           + (["divergence"] if oc.get("divergence", "forward") == "forward" else []))
   oc = oc.copy_and_resolve_references()
   with oc.unlocked():
     for k in unset:
@@ -280,7 +243,7 @@ def _build(config, workdir: str, build: contract.Build) -> str:
   d = distillation(config, oc, task, src, teacher_dir)
   n = len(task["prompts"]["prompt_ids"])
   pps, g = int(oc.prompts_per_step), int(oc.rollouts_per_prompt)
-  steps = int(oc.steps) or max(1, int(oc.epochs) * n // (pps * int(oc.best_of)))
+  steps = int(oc.steps) or max(1, int(oc.epochs) * n // pps)
   tconf = on_policy.on_policy_config(config, rows=pps * g, steps=steps, lr=oc.lr, grad_accum=oc.grad_accum_steps)
   make_batch = d.make_batch
   n_held = int(oc.get("heldout_prompts", 0))
@@ -290,8 +253,7 @@ def _build(config, workdir: str, build: contract.Build) -> str:
       batch, m = d.make_batch(params, prompts, key)
       return batch, dict(m, **held(params))
   state = rollouts.train_on_policy(tconf, train_dir, params=d.params, loss_fn=d.loss_fn, make_batch=make_batch,
-                                   prompt_iter=on_policy.prompt_iterator(task["prompts"], pps * int(oc.best_of),
-                                                                         int(config.seed)),
+                                   prompt_iter=on_policy.prompt_iterator(task["prompts"], pps, int(config.seed)),
                                    desc="opd", frozen=d.frozen,
                                    validation=loop.Validation(on_policy.validator(config, workdir, oc, d.student_config,
                                                                                   d.decode_config),

@@ -62,7 +62,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
 from dgr2_jax.model import logits as logits_lib
 from dgr2_jax.model import qwen3
@@ -123,13 +122,6 @@ def opd_config() -> ml_collections.ConfigDict:
   # distillation usually minimises (GKD, Agarwal et al. 2024; Thinking Machines' on-policy
   # distillation): exact over the vocabulary (or the teacher's top-k + rest), not a sampled estimate.
   c.divergence = "forward"
-  # Prompts drawn per kept prompt (`best_of_groups`): each step decodes best_of x prompts_per_step
-  # prompts and keeps, from each run of best_of consecutive ones, the prompt whose rollouts the
-  # teacher disagrees with most (the loss's own weighted divergence, under the current params). Most
-  # of a re-ranker's prompts the student already answers as the teacher does; their rollouts carry
-  # little gradient, and the few that decide the gap are a sliver of a random batch. Costs
-  # best_of x the rollouts and one extra scoring pass over them; the update is the same size.
-  c.best_of = 1
   # Held-out KL each step: the first `heldout_prompts` validation users (0 = none), one rollout
   # each at `temperature` with a fixed key, scored by the teacher: the forward and reverse KL in
   # the step's metrics (`heldout_kl`, `heldout_reverse_kl`).
@@ -276,34 +268,6 @@ def token_kl(student_config, params, batch: dict, *, block_size: int, teacher_ca
   return logits_lib.per_position(student_config, params, one, hidden, *[batch[k] for k in need])
 
 
-def row_divergence(div, loss_mask, clean, choice: "Choice") -> np.ndarray:
-  """[b] each row's weighted mean of the per-token divergence `div` [b,R] over `loss_mask`, with
-  `opd_loss`'s weights (`choice.weight` at the candidate numbers, 1 elsewhere); 0 for a row
-  without loss tokens."""
-  m = np.asarray(loss_mask, np.float64)
-  w = m
-  if choice.after_id >= 0:
-    clean = np.asarray(clean)
-    prev = np.concatenate([np.full_like(clean[:, :1], -1), clean[:, :-1]], 1)
-    w = m + (float(choice.weight) - 1.0) * (prev == choice.after_id) * m
-  return (w * np.asarray(div, np.float64)).sum(1) / np.maximum(w.sum(1), 1e-12)
-
-
-def best_of_groups(row_scores, best_of: int, rows_per_prompt: int) -> np.ndarray:
-  """Indices of the rows kept from `row_scores` [n * best_of * rows_per_prompt] (prompt-major: each
-  prompt's rollouts are consecutive): each run of `best_of` consecutive prompts keeps all rows of the
-  prompt with the largest mean row score (the first on ties). Runs of consecutive prompts, so a
-  process holding whole runs (prompts_per_step divisible by the process count) keeps what one
-  process would."""
-  s = np.asarray(row_scores, np.float64)
-  k, g = int(best_of), int(rows_per_prompt)
-  if k < 1 or g < 1 or len(s) % (k * g):
-    raise ValueError(f"{len(s)} rows are not whole runs of best_of={k} prompts x {g} rollouts")
-  per_prompt = s.reshape(-1, k, g).mean(-1)                      # [runs, k]
-  chosen = np.arange(len(per_prompt)) * k + per_prompt.argmax(-1)  # the kept prompt of each run
-  return (chosen[:, None] * g + np.arange(g)[None]).reshape(-1)
-
-
 class Choice(NamedTuple):
   """The candidate numbers' weight in `opd_loss`: `after_id` the token before each (' #'; -1 = no
   choice positions), `weight` their KL's weight against 1 for every other token."""
@@ -320,7 +284,8 @@ def opd_loss(student_config, params, batch: dict, rng=None, teacher_params=None,
 
   The loss is the weighted mean over `loss_mask` of the per-token KL(teacher || student)
   (`divergence` 'forward') or KL(student || teacher) ('reverse'), each token weighing 1, or
-  `choice.weight` at the candidate numbers (`losses.choice_positions`, with `choice.after_id` >= 0). Metrics: the unweighted token means of the KL (`kl_to_teacher`), of the
+  `choice.weight` at the candidate numbers (`losses.choice_positions`, with `choice.after_id` >= 0).
+  Metrics: the unweighted token means of the KL (`kl_to_teacher`), of the
   reverse KL(student || teacher) on the student's own rollouts (`reverse_kl`) and of the argmax
   agreement; and, with `choice.after_id` >= 0, the KL and the agreement at the choice positions."""
   del rng
@@ -365,8 +330,6 @@ def validate(config, runs: set) -> None:
     checks.fail("opd.lr", f"must be > 0, got {c.opd.lr}")
   if float(c.opd.get("choice_weight", 1.0)) < 0:
     checks.fail("opd.choice_weight", f"must be >= 0, got {c.opd.choice_weight}")
-  if not checks.is_int(c.opd.get("best_of", 1), 1):
-    checks.fail("opd.best_of", f"must be an int >= 1, got {c.opd.best_of!r}")
   if "divergence" in c.opd:
     checks.one_of(c, "opd", "divergence", DIVERGENCES)
   if not checks.is_int(c.opd.get("heldout_prompts", 0), 0):

@@ -1,0 +1,114 @@
+"""Does an OPD update transfer? Repeated steps on one batch of rollouts, the loss on other prompts'.
+
+  python benchmarks/opd_transfer.py --config=configs/demo.py --workdir=/tmp/dgr2_demo \
+      [--rows=64,256] [--steps=40] [--every=5] [--lr=0] [--out=benchmarks/results/opd_transfer_demo.json]
+
+On-policy distillation learns only what carries over from the rollouts it trains on to the prompts
+it has not seen. This measures that directly, without the noise of new rollouts each step: the
+workdir's OPD start (the CFT model, `opd.init_from`) decodes one rollout of each of `rows` training
+prompts (the "train" batch, as the stage samples them: `opd.temperature`, the decode section) and
+of 64 other training prompts (the "held-out" batch), once. Then `--steps` Adam steps at the
+preset's learning rate (`--lr` 0 = `opd.lr`; no clipping, no weight decay) on the train batch alone,
+with the preset's loss (`opd.divergence`, `opd.choice_weight`, the teacher scored exactly), and
+every `--every` steps the loss on both batches. A step that lowers the train loss and not the
+held-out one fits its batch; only the held-out column is progress. One process; a CPU diagnostic.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import jax
+import numpy as np
+import optax
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from dgr2_jax import fileio  # noqa: E402
+from dgr2_jax import main as main_lib  # noqa: E402
+from dgr2_jax import results  # noqa: E402
+from dgr2_jax.stages import on_policy  # noqa: E402
+from dgr2_jax.stages import opd as opd_stage  # noqa: E402
+from dgr2_jax.train import opd  # noqa: E402
+from dgr2_jax.train.config import section  # noqa: E402
+
+HELD_OUT = 64
+
+
+def define_flags() -> dict:
+  """The command line's flags, defined when run as a script."""
+  return dict(
+      config=config_flags.DEFINE_config_file("config", os.path.join(REPO, "configs", "demo.py"), "pipeline config"),
+      workdir=flags.DEFINE_string("workdir", "/tmp/dgr2_demo", "a pipeline workdir with the CFT model and teacher"),
+      rows=flags.DEFINE_list("rows", ["64", "256"], "train batch sizes (rollouts) to try"),
+      steps=flags.DEFINE_integer("steps", 40, "Adam steps on the train batch"),
+      every=flags.DEFINE_integer("every", 5, "measure every this many steps"),
+      lr=flags.DEFINE_float("lr", 0.0, "learning rate (0 = opd.lr)"),
+      out=flags.DEFINE_string("out", "", "JSON path ('' = print only)"))
+
+
+def curve(d: opd_stage.Distillation, train: dict, held: dict, lr: float, steps: int, every: int) -> list[dict]:
+  """[{step, train_loss, heldout_loss}] of `steps` Adam steps on the batch `train` (module docstring)."""
+  loss = lambda p, b: d.loss_fn(p, b, None, d.frozen)[0]
+  value = jax.jit(loss)
+  grad = jax.jit(jax.grad(loss))
+  tx = optax.adam(lr)
+  params = d.params
+  state = tx.init(params)
+  out = []
+  for s in range(steps + 1):
+    if s % every == 0 or s == steps:
+      out.append({"step": s, "train_loss": float(value(params, train)), "heldout_loss": float(value(params, held))})
+      print(f"  step {s:3d}  train {out[-1]['train_loss']:.4f}  held-out {out[-1]['heldout_loss']:.4f}", flush=True)
+    if s < steps:
+      updates, state = tx.update(grad(params, train), state, params)
+      params = optax.apply_updates(params, updates)
+  return out
+
+
+def measure(config, workdir: str, opts: dict) -> dict:
+  oc = section(config, "opd", opd.opd_config)
+  task = on_policy.task_setup(config, workdir)
+  src = on_policy.source_dir(config, workdir, "opd", oc)
+  d = opd_stage.distillation(config, oc, task, src, opd_stage.teacher_model_dir(config, oc, workdir))
+  prompts = task["prompts"]
+  order = np.random.default_rng(int(config.seed)).permutation(len(prompts["prompt_ids"]))
+  pick = lambda idx: {k: v[idx] for k, v in prompts.items()}
+
+  def batch(idx, key):
+    roll, _ = d.sample(d.params, pick(idx), jax.random.PRNGKey(key))
+    return d.batch(roll)[0]
+
+  held = batch(order[:HELD_OUT], 1)
+  lr = float(opts["lr"]) or float(oc.lr)
+  record = {"command": " ".join(["python benchmarks/opd_transfer.py"] +
+                                ["--workdir=WORKDIR" if a.startswith("--workdir=") else a for a in sys.argv[1:]]),
+            "commit": results.git_commit(), "name": results.config_stem(sys.argv[1:]),
+            "machine": results.cpu_info(), "cores": os.cpu_count(), "lr": lr, "heldout_rows": HELD_OUT,
+            "divergence": str(oc.get("divergence", "forward")), "choice_weight": float(oc.choice_weight),
+            "curves": {}}
+  for n in (int(r) for r in opts["rows"]):
+    print(f"train batch of {n} rollouts, lr {lr:g}:", flush=True)
+    train = batch(order[HELD_OUT:HELD_OUT + n], 2)
+    record["curves"][str(n)] = curve(d, train, held, lr, int(opts["steps"]), int(opts["every"]))
+  return record
+
+
+def main(argv, f: dict):
+  del argv
+  main_lib.quiet_logs(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)
+  record = measure(f["config"].value, f["workdir"].value, {k: v.value for k, v in f.items() if k != "config"})
+  if f["out"].value:
+    fileio.write_json_atomic(f["out"].value, record)
+    print(f"wrote {f['out'].value}")
+
+
+if __name__ == "__main__":
+  _flags = define_flags()
+  app.run(functools.partial(main, f=_flags))
