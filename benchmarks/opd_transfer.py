@@ -1,7 +1,9 @@
 """Does an OPD update transfer? Repeated steps on one batch of rollouts, the loss on other prompts'.
 
   python benchmarks/opd_transfer.py --config=configs/demo.py --workdir=/tmp/dgr2_demo \
-      [--rows=64,256] [--steps=40] [--every=5] [--lr=0] [--out=benchmarks/results/opd_transfer_demo.json]
+      [--rows=64,256] [--steps=40] [--every=5] [--lr=0] [--out=benchmarks/results/opd_transfer_demo.json] \
+      [--docs=docs/results.md]
+  python benchmarks/opd_transfer.py --render=benchmarks/results/opd_transfer_demo.json --docs=docs/results.md
 
 On-policy distillation learns only what carries over from the rollouts it trains on to the prompts
 it has not seen. This measures that directly, without the noise of new rollouts each step: the
@@ -12,11 +14,15 @@ preset's learning rate (`--lr` 0 = `opd.lr`; no clipping, no weight decay) on th
 with the preset's loss (`opd.divergence`, `opd.choice_weight`, the teacher scored exactly), and
 every `--every` steps the loss on both batches. A step that lowers the train loss and not the
 held-out one fits its batch; only the held-out column is progress. One process; a CPU diagnostic.
+`--docs` writes the table, with the commit, command and machine, between the doc's
+`<!-- opd-transfer-table:<name> -->` markers (name: the config file's stem); `--render` rewrites it
+from a recorded JSON without running anything.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 
@@ -50,7 +56,9 @@ def define_flags() -> dict:
       steps=flags.DEFINE_integer("steps", 40, "Adam steps on the train batch"),
       every=flags.DEFINE_integer("every", 5, "measure every this many steps"),
       lr=flags.DEFINE_float("lr", 0.0, "learning rate (0 = opd.lr)"),
-      out=flags.DEFINE_string("out", "", "JSON path ('' = print only)"))
+      out=flags.DEFINE_string("out", "", "JSON path ('' = print only)"),
+      docs=flags.DEFINE_string("docs", "", "a doc whose opd-transfer table to rewrite ('' = none)"),
+      render=flags.DEFINE_string("render", "", "a recorded JSON to render into --docs (runs nothing)"))
 
 
 def curve(d: opd_stage.Distillation, train: dict, held: dict, lr: float, steps: int, every: int) -> list[dict]:
@@ -100,13 +108,54 @@ def measure(config, workdir: str, opts: dict) -> dict:
   return record
 
 
+def render(record: dict) -> str:
+  """The record's table: per train batch, the train loss and the held-out loss at step 0, at the
+  held-out loss's lowest point, and at the last step."""
+  lines = ["| train batch (rollouts) | train loss: start -> last | held-out loss: start | lowest (step) | last "
+           "| held-out's best change |", "|---|---|---|---|---|---|"]
+  for n, c in record["curves"].items():
+    best = min(c, key=lambda r: r["heldout_loss"])
+    h0 = c[0]["heldout_loss"]
+    lines.append(f"| {n} | {c[0]['train_loss']:.4f} -> {c[-1]['train_loss']:.4f} "
+                 f"({c[-1]['train_loss'] / c[0]['train_loss'] - 1:+.0%}) | {h0:.4f} | {best['heldout_loss']:.4f} "
+                 f"({best['step']}) | {c[-1]['heldout_loss']:.4f} | {best['heldout_loss'] / h0 - 1:+.1%} |")
+  return "\n".join(lines)
+
+
+def write_docs(record: dict, doc: str, json_path: str) -> None:
+  """The table after a sentence naming the commit, command and machine, between the doc's
+  `<!-- opd-transfer-table:<name> -->` markers (`results.replace_marked`)."""
+  if not doc:
+    raise SystemExit("opd_transfer: --render needs --docs=<the doc to rewrite>")
+  m = record.get("machine") or {}
+  head = (f"`{record['name']}`: commit `{record['commit']}`, `{record['command']}`, on {record.get('cores', '?')} "
+          f"CPU cores ({m.get('cpu_model', '?')}, {m.get('cpu_isa', '?')}); JSON: `{json_path}`. Adam at lr "
+          f"{record['lr']:g}, {record['divergence']} KL, choice weight {record['choice_weight']:g}; the held-out "
+          f"batch is {record['heldout_rows']} other training prompts' rollouts.")
+  with open(doc) as f:
+    text = f.read()
+  try:
+    text = results.replace_marked(text, {record["name"]: f"{head}\n\n{render(record)}"}, "opd-transfer", doc)
+  except ValueError as e:
+    raise SystemExit(f"opd_transfer: {e}") from None
+  fileio.write_text_atomic(doc, text)
+  print(f"wrote {doc}")
+
+
 def main(argv, f: dict):
   del argv
   main_lib.quiet_logs(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)
+  if f["render"].value:   # the docs from a recorded JSON, nothing run
+    with open(f["render"].value) as fh:
+      write_docs(json.load(fh), f["docs"].value, f["render"].value)
+    return
   record = measure(f["config"].value, f["workdir"].value, {k: v.value for k, v in f.items() if k != "config"})
+  print(render(record))
   if f["out"].value:
     fileio.write_json_atomic(f["out"].value, record)
     print(f"wrote {f['out'].value}")
+  if f["docs"].value:
+    write_docs(record, f["docs"].value, f["out"].value)
 
 
 if __name__ == "__main__":

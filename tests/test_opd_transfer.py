@@ -7,6 +7,7 @@ import types
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import opd_transfer  # noqa: E402
@@ -31,3 +32,21 @@ def test_curve_is_adam_on_the_train_batch_alone():
   for r in out:
     np.testing.assert_allclose([r["train_loss"], r["heldout_loss"]], ref[r["step"]], rtol=1e-5)
   assert out[-1]["train_loss"] < out[0]["train_loss"]   # the train batch is fitted
+
+
+def test_render_writes_the_marked_table(tmp_path):
+  record = {"name": "demo", "commit": "abc1234", "command": "python benchmarks/opd_transfer.py --workdir=WORKDIR",
+            "machine": {"cpu_model": "X", "cpu_isa": "avx2"}, "cores": 2, "lr": 1e-4, "divergence": "forward",
+            "choice_weight": 10.0, "heldout_rows": 64,
+            "curves": {"64": [{"step": 0, "train_loss": 0.2, "heldout_loss": 0.1},
+                              {"step": 5, "train_loss": 0.1, "heldout_loss": 0.09},
+                              {"step": 10, "train_loss": 0.05, "heldout_loss": 0.11}]}}
+  doc = tmp_path / "r.md"
+  doc.write_text("a\n<!-- opd-transfer-table:demo -->\nold\n<!-- /opd-transfer-table:demo -->\nb\n")
+  opd_transfer.write_docs(record, str(doc), "x.json")
+  text = doc.read_text()
+  assert "old" not in text and "commit `abc1234`" in text
+  assert "| 64 | 0.2000 -> 0.0500 (-75%) | 0.1000 | 0.0900 (5) | 0.1100 | -10.0% |" in text
+  doc.write_text("no markers\n")
+  with pytest.raises(SystemExit, match="opd-transfer-table:demo"):
+    opd_transfer.write_docs(record, str(doc), "x.json")
