@@ -62,9 +62,10 @@ def define_flags() -> dict:
 
 
 def curve(d: opd_stage.Distillation, train: dict, held: dict, lr: float, steps: int, every: int) -> list[dict]:
-  """[{step, train_loss, heldout_loss}] of `steps` Adam steps on the batch `train` (module docstring)."""
+  """[{step, train_loss, heldout_loss[, train_choice_kl, heldout_choice_kl]}] of `steps` Adam steps on
+  the batch `train` (module docstring); the choice KLs where the loss reports them."""
   loss = lambda p, b: d.loss_fn(p, b, None, d.frozen)[0]
-  value = jax.jit(loss)
+  value = jax.jit(lambda p, b: d.loss_fn(p, b, None, d.frozen))
   grad = jax.jit(jax.grad(loss))
   tx = optax.adam(lr)
   params = d.params
@@ -72,8 +73,16 @@ def curve(d: opd_stage.Distillation, train: dict, held: dict, lr: float, steps: 
   out = []
   for s in range(steps + 1):
     if s % every == 0 or s == steps:
-      out.append({"step": s, "train_loss": float(value(params, train)), "heldout_loss": float(value(params, held))})
-      print(f"  step {s:3d}  train {out[-1]['train_loss']:.4f}  held-out {out[-1]['heldout_loss']:.4f}", flush=True)
+      row = {"step": s}
+      for name, b in (("train", train), ("heldout", held)):
+        v, m = value(params, b)
+        row[f"{name}_loss"] = float(v)
+        if "choice_kl" in m:   # the KL at the candidate numbers alone (opd.choice_weight != 1)
+          row[f"{name}_choice_kl"] = float(m["choice_kl"])
+      out.append(row)
+      print(f"  step {s:3d}  train {row['train_loss']:.4f}  held-out {row['heldout_loss']:.4f}"
+            + (f"  held-out at the numbers {row['heldout_choice_kl']:.4f}" if "heldout_choice_kl" in row else ""),
+            flush=True)
     if s < steps:
       updates, state = tx.update(grad(params, train), state, params)
       params = optax.apply_updates(params, updates)
@@ -111,14 +120,17 @@ def measure(config, workdir: str, opts: dict) -> dict:
 def render(record: dict) -> str:
   """The record's table: per train batch, the train loss and the held-out loss at step 0, at the
   held-out loss's lowest point, and at the last step."""
+  choice = "heldout_choice_kl" in record["curves"][next(iter(record["curves"]))][0]
   lines = ["| train batch (rollouts) | train loss: start -> last | held-out loss: start | lowest (step) | last "
-           "| held-out's best change |", "|---|---|---|---|---|---|"]
+           "| held-out's best change |" + (" held-out KL at the candidate numbers: start -> last |" if choice else ""),
+           "|---|---|---|---|---|---|" + ("---|" if choice else "")]
   for n, c in record["curves"].items():
     best = min(c, key=lambda r: r["heldout_loss"])
     h0 = c[0]["heldout_loss"]
     lines.append(f"| {n} | {c[0]['train_loss']:.4f} -> {c[-1]['train_loss']:.4f} "
                  f"({c[-1]['train_loss'] / c[0]['train_loss'] - 1:+.0%}) | {h0:.4f} | {best['heldout_loss']:.4f} "
-                 f"({best['step']}) | {c[-1]['heldout_loss']:.4f} | {best['heldout_loss'] / h0 - 1:+.1%} |")
+                 f"({best['step']}) | {c[-1]['heldout_loss']:.4f} | {best['heldout_loss'] / h0 - 1:+.1%} |"
+                 + (f" {c[0]['heldout_choice_kl']:.4f} -> {c[-1]['heldout_choice_kl']:.4f} |" if choice else ""))
   return "\n".join(lines)
 
 

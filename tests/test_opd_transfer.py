@@ -17,7 +17,7 @@ def test_curve_is_adam_on_the_train_batch_alone():
   def loss_fn(p, b, rng, frozen):
     del rng
     assert frozen == "teacher"
-    return jnp.sum((p["w"] - b["target"]) ** 2), {}
+    return jnp.sum((p["w"] - b["target"]) ** 2), {"choice_kl": jnp.sum(p["w"] - b["target"])}
   d = types.SimpleNamespace(params={"w": jnp.zeros(3)}, loss_fn=loss_fn, frozen="teacher")
   train, held = {"target": jnp.array([1.0, 2.0, 3.0])}, {"target": jnp.array([1.0, -2.0, 0.0])}
   out = opd_transfer.curve(d, train, held, lr=0.1, steps=7, every=3)
@@ -31,6 +31,7 @@ def test_curve_is_adam_on_the_train_batch_alone():
     w = w - 0.1 * (m / (1 - 0.9 ** (s + 1))) / (np.sqrt(v / (1 - 0.999 ** (s + 1))) + 1e-8)
   for r in out:
     np.testing.assert_allclose([r["train_loss"], r["heldout_loss"]], ref[r["step"]], rtol=1e-5)
+    assert set(r) == {"step", "train_loss", "heldout_loss", "train_choice_kl", "heldout_choice_kl"}
   assert out[-1]["train_loss"] < out[0]["train_loss"]   # the train batch is fitted
 
 
