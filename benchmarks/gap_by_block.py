@@ -160,23 +160,11 @@ def render(stage: str, n: int, rows: dict) -> str:
 
 def write_docs(record: dict, doc: str, json_path: str) -> None:
   """Each stage's table, after a sentence naming the commit, command and machine, between the doc's
-  `<!-- gap-by-block-table:<name> -->` markers (`results.replace_marked`)."""
-  if not doc:
-    raise SystemExit("gap_by_block: --render needs --docs=<the doc to rewrite>")
-  m = record.get("machine") or {}
-  head = (f"Commit `{record['commit']}`, `{record['command']}`, on {record.get('cores', '?')} CPU cores "
-          f"({m.get('cpu_model', '?')}, {m.get('cpu_isa', '?')}); JSON: `{json_path}`. The {record['split']} split; "
-          f"the reasoning block is the first {record['reasoning_tokens']} response tokens; paired bootstrap 95% "
-          f"intervals over users.")
+  `<!-- gap-by-block-table:<name> -->` markers (`results.write_marked_table`)."""
+  head = (f"{results.record_source(record, json_path)} The {record['split']} split; the reasoning block is the "
+          f"first {record['reasoning_tokens']} response tokens; paired bootstrap 95% intervals over users.")
   body = "\n\n".join([head] + [render(stage, record["n"], rows) for stage, rows in record["stages"].items()])
-  with open(doc) as f:
-    text = f.read()
-  try:
-    text = results.replace_marked(text, {record.get("name", "demo"): body}, "gap-by-block", doc)
-  except ValueError as e:
-    raise SystemExit(f"gap_by_block: {e}") from None
-  fileio.write_text_atomic(doc, text)
-  print(f"wrote {doc}")
+  results.write_marked_table(doc, "gap-by-block", record.get("name", "demo"), body, "gap_by_block")
 
 
 def main(argv, f: dict):

@@ -136,22 +136,11 @@ def render(record: dict) -> str:
 
 def write_docs(record: dict, doc: str, json_path: str) -> None:
   """The table after a sentence naming the commit, command and machine, between the doc's
-  `<!-- opd-transfer-table:<name> -->` markers (`results.replace_marked`)."""
-  if not doc:
-    raise SystemExit("opd_transfer: --render needs --docs=<the doc to rewrite>")
-  m = record.get("machine") or {}
-  head = (f"`{record['name']}`: commit `{record['commit']}`, `{record['command']}`, on {record.get('cores', '?')} "
-          f"CPU cores ({m.get('cpu_model', '?')}, {m.get('cpu_isa', '?')}); JSON: `{json_path}`. Adam at lr "
-          f"{record['lr']:g}, {record['divergence']} KL, choice weight {record['choice_weight']:g}; the held-out "
-          f"batch is {record['heldout_rows']} other training prompts' rollouts.")
-  with open(doc) as f:
-    text = f.read()
-  try:
-    text = results.replace_marked(text, {record["name"]: f"{head}\n\n{render(record)}"}, "opd-transfer", doc)
-  except ValueError as e:
-    raise SystemExit(f"opd_transfer: {e}") from None
-  fileio.write_text_atomic(doc, text)
-  print(f"wrote {doc}")
+  `<!-- opd-transfer-table:<name> -->` markers (`results.write_marked_table`)."""
+  head = (f"`{record['name']}`: {results.record_source(record, json_path)} Adam at lr {record['lr']:g}, "
+          f"{record['divergence']} KL, choice weight {record['choice_weight']:g}; the held-out batch is "
+          f"{record['heldout_rows']} other training prompts' rollouts.")
+  results.write_marked_table(doc, "opd-transfer", record["name"], f"{head}\n\n{render(record)}", "opd_transfer")
 
 
 def main(argv, f: dict):

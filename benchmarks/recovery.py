@@ -168,22 +168,11 @@ def main(argv):
 
 def write_docs(record: dict, doc: str, json_path: str) -> None:
   """`render(record's rows)` with a sentence naming the commit, command and machine, between the
-  doc's `<!-- recovery-table:<name> -->` markers (`results.replace_marked`)."""
-  if not doc:
-    raise SystemExit("recovery: --render needs --docs=<the doc to rewrite>")
-  m = record.get("machine") or {}
-  head = (f"Commit `{record['commit']}`, `{record['command']}`, on {record.get('cores', '?')} CPU cores "
-          f"({m.get('cpu_model', '?')}, {m.get('cpu_isa', '?')}); JSON: `{json_path}`. Paired bootstrap 95% "
-          f"intervals over users; a share is of the gap CFT leaves (where CFT is below the teacher).")
-  with open(doc) as f:
-    text = f.read()
-  try:
-    text = results.replace_marked(text, {record.get("name", "demo"): f"{head}\n\n{render(record['rows'])}"},
-                                  "recovery", doc)
-  except ValueError as e:
-    raise SystemExit(f"recovery: {e}") from None
-  fileio.write_text_atomic(doc, text)
-  print(f"wrote {doc}")
+  doc's `<!-- recovery-table:<name> -->` markers (`results.write_marked_table`)."""
+  head = (f"{results.record_source(record, json_path)} Paired bootstrap 95% intervals over users; a share is of "
+          f"the gap CFT leaves (where CFT is below the teacher).")
+  results.write_marked_table(doc, "recovery", record.get("name", "demo"), f"{head}\n\n{render(record['rows'])}",
+                             "recovery")
 
 
 def render(rows: list[dict]) -> str:

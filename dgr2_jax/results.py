@@ -252,6 +252,29 @@ def replace_marked(text: str, tables: dict, kind: str, doc: str = "") -> str:
   return text
 
 
+def record_source(record: dict, json_path: str) -> str:
+  """"Commit `C`, `COMMAND`, on N CPU cores (CPU, ISA); JSON: `PATH`." for a benchmark's record
+  (its commit, command, machine and cores fields): the sentence above a generated table."""
+  m = record.get("machine") or {}
+  return (f"Commit `{record['commit']}`, `{record['command']}`, on {record.get('cores', '?')} CPU cores "
+          f"({m.get('cpu_model', '?')}, {m.get('cpu_isa', '?')}); JSON: `{json_path}`.")
+
+
+def write_marked_table(doc: str, kind: str, name: str, body: str, tool: str) -> None:
+  """Rewrites `doc`'s `<!-- {kind}-table:{name} -->` block with `body` (`replace_marked`), atomically;
+  a missing `doc` or marker pair exits with one line naming `tool`."""
+  if not doc:
+    raise SystemExit(f"{tool}: --render needs --docs=<the doc to rewrite>")
+  with open(doc) as f:
+    text = f.read()
+  try:
+    text = replace_marked(text, {name: body}, kind, doc)
+  except ValueError as e:
+    raise SystemExit(f"{tool}: {e}") from None
+  fileio.write_text_atomic(doc, text)
+  print(f"wrote {doc}")
+
+
 def marked_docs(repo: str, docs: dict, kind: str, table) -> dict:
   """{doc path: (current text, generated text)} of each doc of `docs` ({path under `repo`: its table
   names}), every table's markers (`replace_marked`) holding table(NAME)."""

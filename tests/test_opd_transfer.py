@@ -46,7 +46,7 @@ def test_render_writes_the_marked_table(tmp_path):
   doc.write_text("a\n<!-- opd-transfer-table:demo -->\nold\n<!-- /opd-transfer-table:demo -->\nb\n")
   opd_transfer.write_docs(record, str(doc), "x.json")
   text = doc.read_text()
-  assert "old" not in text and "commit `abc1234`" in text
+  assert "\nold\n" not in text and "Commit `abc1234`" in text
   assert "| 64 | 0.2000 -> 0.0500 (-75%) | 0.1000 | 0.0900 (5) | 0.1100 | -10.0% |" in text
   doc.write_text("no markers\n")
   with pytest.raises(SystemExit, match="opd-transfer-table:demo"):
