@@ -1,4 +1,5 @@
-"""On-policy distillation (OPD): forward KL(teacher || student) on the student's own rollouts.
+"""On-policy distillation (OPD): forward KL(teacher || student) on the student's own rollouts
+(with `opd.divergence='reverse'`: KL(student || teacher) between the same distributions).
 
 Both sides are next-token distributions at the same response index r (AR token shift):
   * teacher 'ar' (default): the frozen AR teacher scores prompt + rollout once, causally
