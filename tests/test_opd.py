@@ -383,7 +383,7 @@ def test_reverse_kl_and_choice_weight(setup):
   assert 0 < at.sum() < m.sum()
   for w in (1.0, 5.0):
     loss, mt = opd.opd_loss(cfg, other, batch, None, block_size=1, teacher_cache="full", mask_id=63,
-                            choice=opd.Choice(after, w))
+                            objective=opd.Objective(choice=opd.Choice(after, w)))
     wt = np.where(at, w, 1.0) * m
     np.testing.assert_allclose(float(loss), (wt * fwd).sum() / wt.sum(), rtol=1e-4)
     np.testing.assert_allclose(float(mt["kl_to_teacher"]), fwd[m].mean(), rtol=1e-4)
@@ -392,13 +392,13 @@ def test_reverse_kl_and_choice_weight(setup):
     assert float(mt["denominator"]) == wt.sum()
     # divergence='reverse': the same weights on the reverse KL.
     rloss, _ = opd.opd_loss(cfg, other, batch, None, block_size=1, teacher_cache="full", mask_id=63,
-                            choice=opd.Choice(after, w), divergence="reverse")
+                            objective=opd.Objective("reverse", opd.Choice(after, w)))
     np.testing.assert_allclose(float(rloss), (wt * rev).sum() / wt.sum(), rtol=1e-4)
   with pytest.raises(ValueError, match="opd.divergence"):
-    opd.opd_loss(cfg, other, batch, None, block_size=1, teacher_cache="full", mask_id=63, divergence="js")
+    opd.opd_loss(cfg, other, batch, None, block_size=1, teacher_cache="full", mask_id=63, objective=opd.Objective("js"))
   # The reverse loss's gradient is the loss's own: its norm is the central difference along it.
   rev_loss = lambda p: opd.opd_loss(cfg, p, batch, None, block_size=1, teacher_cache="full", mask_id=63,
-                                    divergence="reverse")[0]
+                                    objective=opd.Objective("reverse"))[0]
   g = jax.grad(rev_loss)(other)
   gn = optax.tree.norm(g)
   d = jax.tree_util.tree_map(lambda x: x / gn, g)

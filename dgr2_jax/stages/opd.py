@@ -175,8 +175,8 @@ def loss_for(oc, student_cfg, teacher_cfg, mask_id: int, choice_id: int):
   """The OPD step's loss (`opd.opd_loss`) of `student_cfg` against the AR teacher `teacher_cfg` (None:
   the 'self_tau1' teacher's cache) under section `oc`; `choice_id`: ' #' (`prompts.choice_after_id`)."""
   return functools.partial(opd.opd_loss, student_cfg, teacher_config=teacher_cfg,
-                           choice=opd.Choice(choice_id, float(oc.get("choice_weight", 1.0))),
-                           divergence=str(oc.get("divergence", "forward")),
+                           objective=opd.Objective(str(oc.get("divergence", "forward")),
+                                                   opd.Choice(choice_id, float(oc.get("choice_weight", 1.0)))),
                            block_size=int(student_cfg.block_size), teacher_cache=str(oc.teacher_cache),
                            mask_id=mask_id)
 

@@ -276,20 +276,29 @@ class Choice(NamedTuple):
   weight: float = 1.0
 
 
+class Objective(NamedTuple):
+  """What `opd_loss` averages: the per-token `divergence` ('forward' KL(teacher || student) or
+  'reverse' KL(student || teacher)) with the `choice` positions' weight."""
+  divergence: str = "forward"
+  choice: Choice = Choice()
+
+
 def opd_loss(student_config, params, batch: dict, rng=None, teacher_params=None, *, block_size: int,
              teacher_cache: str = "full", mask_id=None, teacher_config=None,
-             choice: Choice = Choice(), divergence: str = "forward") -> tuple[jax.Array, dict]:
+             objective: Objective = Objective()) -> tuple[jax.Array, dict]:
   """-> (loss, metrics). batch: prompt [b,P], prompt_len [b], clean [b,R], seg_tokens, pred_seg,
   loss_mask [b,R] and the teacher cache (`CACHE_KEYS[teacher_cache]`; none for 'none', which
   takes the AR teacher's params as `teacher_params`, the training loop's frozen argument).
 
   The loss is the weighted mean over `loss_mask` of the per-token KL(teacher || student)
-  (`divergence` 'forward') or KL(student || teacher) ('reverse'), each token weighing 1, or
-  `choice.weight` at the candidate numbers (`losses.choice_positions`, with `choice.after_id` >= 0).
+  (`objective.divergence` 'forward') or KL(student || teacher) ('reverse'), each token weighing 1,
+  or `choice.weight` at the candidate numbers (`objective.choice`: `losses.choice_positions`, with
+  `choice.after_id` >= 0).
   Metrics: the unweighted token means of the KL (`kl_to_teacher`), of the
   reverse KL(student || teacher) on the student's own rollouts (`reverse_kl`) and of the argmax
   agreement; and, with `choice.after_id` >= 0, the KL and the agreement at the choice positions."""
   del rng
+  divergence, choice = objective
   if divergence not in DIVERGENCES:
     raise ValueError(f"opd.divergence must be one of {DIVERGENCES}, got {divergence!r}")
   teacher = (teacher_config, teacher_params) if teacher_cache == "none" else None
