@@ -213,3 +213,16 @@ def test_toy_stages_with_two_processes(tmp_path):
     results = [json.load(open(folder / f"result-{i}.json")) for i in (0, 1)]
     assert results[0] == results[1] == {"dgr2_toy_a": {"size": 3}, "dgr2_toy_b": {"double": 6}}
   assert not [n for n in os.listdir(wd) if ".tmp" in n]
+
+
+def test_without_drops_the_named_fields_from_a_copy():
+  """A stage's hash leaves out fields at their old defaults (`common.without`): the copy lacks them,
+  hashes as a section that never had them, and the caller's section is unchanged."""
+  import ml_collections
+  from dgr2_jax.stages import common
+  section = ml_collections.ConfigDict({"lr": 1e-4, "divergence": "forward", "inner": {"k": 3}})
+  out = common.without(section, ["divergence", "absent"])
+  assert "divergence" not in out and out.lr == 1e-4 and out.inner.k == 3
+  assert section.divergence == "forward"
+  assert common.config_hash(out) == common.config_hash(ml_collections.ConfigDict({"lr": 1e-4, "inner": {"k": 3}}))
+  assert common.config_hash(out) != common.config_hash(section)

@@ -223,12 +223,7 @@ def _hash(config, workdir: str, upstream: dict) -> str:
   # hash (built stages stay fresh).
   unset = (["heldout_prompts"] + (["choice_weight"] if float(oc.get("choice_weight", 1.0)) == 1.0 else [])
            + (["divergence"] if oc.get("divergence", "forward") == "forward" else []))
-  oc = oc.copy_and_resolve_references()
-  with oc.unlocked():
-    for k in unset:
-      if k in oc:
-        del oc[k]
-  return common.config_hash(config.seed, oc, config.decode, config.task, config.train.mesh,
+  return common.config_hash(config.seed, common.without(oc, unset), config.decode, config.task, config.train.mesh,
                             config.train.optimizer, src, common.model_hash(src), teacher_dir,
                             common.model_hash(teacher_dir) if teacher_dir else None, upstream["traces"],
                             workdir=workdir)

@@ -66,13 +66,7 @@ def _hash(config, workdir: str, upstream: dict, stage: str, overrides: dict | No
   unset = ["dynamic_sampling", "min_informative_groups"] if grpo.sampling_settings(rc)[0] == 1 else []
   unset += ["informative"] if str(rc.get("informative", "any")) == "any" else []
   unset += ["log_kl_ref"]  # metrics only: the trained model does not depend on it
-  if unset:
-    rc = rc.copy_and_resolve_references()
-    with rc.unlocked():
-      for k in unset:
-        if k in rc:
-          del rc[k]
-  return common.config_hash(config.seed, rc, config.decode, config.task, config.train.mesh,
+  return common.config_hash(config.seed, common.without(rc, unset), config.decode, config.task, config.train.mesh,
                             config.train.optimizer, src, common.model_hash(src), upstream["traces"],
                             workdir=workdir)
 
