@@ -100,10 +100,6 @@ def model_config_for(config):
   return Qwen3Config(**kw), src
 
 
-def _dtype_bytes(name: str) -> int:
-  return {"float32": 4, "bfloat16": 2, "float16": 2}[name]
-
-
 def _sharded_bytes(shapes, shardings) -> int:
   total = 0
   for x, s in zip(np.asarray(_leaves(shapes), dtype=object), _leaves(shardings)):
@@ -139,14 +135,15 @@ def state_bytes(config, mc, num_devices: int) -> dict:
   ref_dt = mc.param_dtype if mc.dtype == "auto" else mc.dtype
   mode = section(config, "opd", opd.opd_config).get("teacher_cache", "none")
   frozen_dt = ref_dt if mode == "none" else mc.param_dtype
+  in_dtype = lambda dt: params_b * memory_plan.dtype_bytes(dt) // memory_plan.dtype_bytes(tc.param_dtype)
   ref = {}
   for stage in ("teacher_rl", "rl"):
     rc = section(config, stage, grpo.rl_config)
     held = float(rc.kl_coef) > 0 or bool(rc.get("log_kl_ref", True))
-    ref[stage] = params_b * _dtype_bytes(ref_dt) // _dtype_bytes(tc.param_dtype) if held else 0
+    ref[stage] = in_dtype(ref_dt) if held else 0
   return {"dims": tuple(dims), "num_params": qwen3.count_params(shapes), "params": params_b,
           "optimizer": _sharded_bytes(o_shapes, o_sh), "gradients": params_b,
-          "frozen": params_b * _dtype_bytes(frozen_dt) // _dtype_bytes(tc.param_dtype), "frozen_ref": ref}
+          "frozen": in_dtype(frozen_dt), "frozen_ref": ref}
 
 
 def frozen_bytes(st: dict, stage: str) -> int:
@@ -182,11 +179,9 @@ def decode_bytes(config, mc, rows: int, num_devices: int) -> int:
   from dgr2_jax.decode import mesh as dmesh
   dec = config.get("decode")
   data, tensor = dmesh.mesh_shape(dec.get("mesh", None) if dec is not None else None, num_devices)
-  d = _dtype_bytes(mc.param_dtype if mc.dtype == "auto" else mc.dtype)
-  slots = int(config.task.prompt_len) + (int(dec.max_new_tokens) if dec is not None else int(config.task.response_len))
   kv_split = tensor if mc.num_key_value_heads % tensor == 0 else 1
-  kv = mc.num_hidden_layers * 2 * math.ceil(rows / data) * slots * mc.num_key_value_heads * mc.head_dim * d
-  return int(qwen3.count_params(qwen3.param_shapes(mc)) * d / tensor + kv / kv_split)
+  kv = memory_plan.kv_cache_bytes(mc, math.ceil(rows / data), memory_plan.decode_slots(config))
+  return int(qwen3.count_params(qwen3.param_shapes(mc)) * memory_plan.compute_bytes(mc) / tensor + kv / kv_split)
 
 
 def plan(config) -> dict:
@@ -214,13 +209,9 @@ def plan(config) -> dict:
   total = max([r["total_train"] for r in stages] or [params_b + opt_b + grads_b])
 
   eval_rows = int(config.eval.batch_size)
-  dec = config.get("decode")
-  tk = config.task
-  d = _dtype_bytes(mc.param_dtype if mc.dtype == "auto" else mc.dtype)  # 'auto': the params' dtype
-  kv = mc.num_key_value_heads * mc.head_dim
-  slots = int(tk.prompt_len) + (int(dec.max_new_tokens) if dec is not None else int(tk.response_len))
-  kv_b = int(mc.num_hidden_layers * 2 * eval_rows * slots * kv * d)
-  params_infer_b = int(n_params * _dtype_bytes(mc.param_dtype))
+  slots = memory_plan.decode_slots(config)
+  kv_b = int(memory_plan.kv_cache_bytes(mc, eval_rows, slots))
+  params_infer_b = int(n_params * memory_plan.dtype_bytes(mc.param_dtype))
   cap = float(config.hardware.device_memory_gb) * 1e9
   return {
       "model_source": src, "model": {k: getattr(mc, k) for k in (

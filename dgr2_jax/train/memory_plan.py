@@ -51,6 +51,29 @@ TRAIN_STAGES = ("sft", "teacher_rl", "cft", "opd", "rl")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+def dtype_bytes(name: str) -> int:
+  """Bytes per element of a float dtype's name."""
+  return _DTYPE_BYTES[name]
+
+
+def compute_bytes(mc) -> int:
+  """Bytes per element of the model's compute dtype ('auto': the params' dtype)."""
+  return _DTYPE_BYTES[mc.param_dtype if mc.dtype == "auto" else mc.dtype]
+
+
+def decode_slots(config) -> int:
+  """KV slots per decoded row: task.prompt_len + decode.max_new_tokens (task.response_len where
+  the config has no decode section)."""
+  dec = config.get("decode")
+  return int(config.task.prompt_len) + (int(dec.max_new_tokens) if dec is not None else int(config.task.response_len))
+
+
+def kv_cache_bytes(mc, rows: int, slots: int) -> int:
+  """The decoder's KV cache whole: rows x slots x layers x (K, V) x kv heads x head_dim in the compute
+  dtype (a tensor axis that divides the kv heads splits it)."""
+  return rows * slots * mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * compute_bytes(mc)
+
+
 def cache_bytes_per_token(mode: str, vocab: int, k: int) -> int:
   return {"full": 4 * vocab, "topk": 8 * k + 4, "none": 0}[mode]
 
@@ -89,7 +112,7 @@ def plan_stage(config, mc, stage: str, dims: tuple[int, int, int]) -> dict:
   lay = stage_layout(config, stage)
   rows = max(1, math.ceil(lay["rows"] / lay["micro"] / (data * fsdp)))
   t = lay["seq"]
-  d = _DTYPE_BYTES[mc.param_dtype if mc.dtype == "auto" else mc.dtype]  # 'auto': the params' dtype
+  d = compute_bytes(mc)
   h, inter = mc.hidden_size, mc.intermediate_size
   q = mc.num_attention_heads * mc.head_dim / tensor
   kv = mc.num_key_value_heads * mc.head_dim / tensor
@@ -123,8 +146,7 @@ def plan_stage(config, mc, stage: str, dims: tuple[int, int, int]) -> dict:
     sec = _section(config, stage)
     dec_rows = int(sec.get("rollout_batch_size", 0)) or lay["rows"]
     dec_rows = math.ceil(dec_rows / (data * fsdp))
-    slots = int(config.task.prompt_len) + int(config.decode.max_new_tokens)
-    kvc = dec_rows * slots * mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * d / tensor
+    kvc = kv_cache_bytes(mc, dec_rows, decode_slots(config)) / tensor
     window = 1 if stage == "teacher_rl" else int(config.decode.block_size)
     per = logits_lib.CHUNK_ELEMENTS // max(window * mc.vocab_size, 1) or 1
     decode = int(kvc + 4 * min(per, dec_rows) * window * mc.vocab_size * 4)
@@ -151,6 +173,6 @@ def context_copies(config, mc, stage: str, rows: int, tensor: int) -> int:
     return 0
   bsz = int(config.cft.block_size) if stage == "cft" else int(config.decode.block_size)
   p, r = int(config.task.prompt_len), int(config.task.response_len)
-  d = _DTYPE_BYTES[mc.param_dtype if mc.dtype == "auto" else mc.dtype]
+  d = compute_bytes(mc)
   kv = mc.num_key_value_heads * mc.head_dim / tensor
   return int(CONTEXT_COPIES * rows * (r // bsz) * (p + r) * kv * d) if bsz > 1 else 0
