@@ -215,34 +215,3 @@ def test_widened_segments_replay_the_same_logprobs(tiny_lm):
       np.testing.assert_array_equal(wide[b, pred[b, i]], seg["seg_tokens"][b, seg["pred_seg"][b, i]])
   with pytest.raises(ValueError, match="cap"):
     replay.widen_segments(wide, pred, r, 1)
-
-
-def test_prefix_masks_are_left_to_right_cuts():
-  """`cft.prefix_rate`: a drawn block's real tokens are masked from a cut on (plain-Python check per
-  block), t is its masked fraction, cuts cover [0, n), padding stays out; the other blocks keep the
-  independent masks of `prefix_rate=0` exactly."""
-  bs, b, r = 4, 64, 12
-  resp_len = np.random.RandomState(0).randint(0, r + 1, b)
-  real = np.arange(r)[None] < resp_len[:, None]
-  resp = jnp.asarray(np.where(real, 7, 0), jnp.int32)
-  rm = jnp.asarray(real.astype(np.int32))
-  key = jax.random.PRNGKey(3)
-  _, m0, t0 = (np.asarray(x) for x in cft.corrupt(key, resp, rm, bs, 63, 0.1))
-  noisy, m, t = (np.asarray(x) for x in cft.corrupt(key, resp, rm, bs, 63, 0.1, prefix_rate=0.5))
-  drawn, cuts = 0, []
-  for i in range(b):
-    for j in range(r // bs):
-      sl = slice(j * bs, (j + 1) * bs)
-      n = int(real[i, sl].sum())
-      if np.array_equal(m[i, sl], m0[i, sl]) and np.allclose(t[i, sl], t0[i, sl]):
-        continue   # an independent block (a left-to-right draw can coincide with it; then either reading holds)
-      assert n > 0, "padding-only blocks are never redrawn"
-      c = int(np.argmax(m[i, sl])) if m[i, sl].any() else bs
-      want = [(k >= c) and bool(real[i, j * bs + k]) for k in range(bs)]
-      assert m[i, sl].tolist() == want and c < n, (i, j, m[i, sl], n)
-      np.testing.assert_allclose(t[i, sl], (n - c) / n, rtol=1e-6)
-      drawn += 1
-      cuts.append((c, n))
-  assert 0.3 < drawn / np.sum(real.reshape(b, -1, bs).any(-1)) < 0.7
-  assert {c for c, n in cuts if n == bs} == set(range(bs))    # every cut of a full block occurs
-  assert np.all(noisy[m] == 63) and np.all(noisy[real & ~m] == 7)

@@ -60,7 +60,7 @@ def loss_for(cc, mc, mask_id: int, choice_id: int = -1):
   when cft.choice_weight != 1."""
   kw = dict(eps=float(cc.eps), weighting=str(cc.loss_weighting),
             reasoning_weight=float(cc.reasoning_weight), answer_weight=float(cc.answer_weight),
-            complementary=bool(cc.complementary_mask), prefix_rate=float(cc.get("prefix_rate", 0.0)))
+            complementary=bool(cc.complementary_mask))
   if float(cc.get("choice_weight", 1.0)) != 1.0:
     kw.update(choice_weight=float(cc.choice_weight), choice_after_id=int(choice_id))
   options = cft.LossOptions(**kw)
@@ -80,9 +80,7 @@ def _source(config, workdir: str) -> tuple[str, str]:
 def _hash(config, workdir: str, upstream: dict) -> str:
   prev, init_from = _source(config, workdir)
   up = [upstream["traces"], contract.upstream(workdir, [prev])[prev]]
-  # prefix_rate at 0 trains as before the field existed: out of the hash (built stages stay fresh).
-  cc = common.without(config.cft, ["prefix_rate"] if float(config.cft.get("prefix_rate", 0.0)) == 0 else [])
-  return common.config_hash(config.seed, cc, train_config.hashed(config.train), config.task, init_from, up,
+  return common.config_hash(config.seed, config.cft, train_config.hashed(config.train), config.task, init_from, up,
                             workdir=workdir)
 
 

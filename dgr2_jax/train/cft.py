@@ -17,9 +17,7 @@ So #4 goes first`), on top of `reasoning_weight`. Why: the number that picks the
 is decided from the prompt only when every copy of it in the block is masked; at low t another copy is
 visible and the loss is a copy. Up-weighting it trains the decision itself more (1.0 = no change).
 `complementary=True` also trains the complementary mask of every row (each token trained once per
-pair), doubling the batch. `prefix_rate` > 0 gives that fraction of the (row, block) pairs a
-left-to-right mask instead (`prefix_masks`: everything from a cut on masked), the canvas the AR
-teacher predicts from and the decoder commits the candidate number on.
+pair), doubling the batch.
 The `cft` config section is this module's: its defaults (`cft_config`) and its checks (`validate`).
 """
 
@@ -39,11 +37,8 @@ WEIGHTINGS = ("1/t", "none")
 
 
 def corrupt(rng, response, response_mask, block_size: int, mask_id: int, eps: float,
-            fixed_t: float | None = None, prefix_rate: float = 0.0):
-  """-> (noisy [b,R], masked [b,R] bool, t [b,R] per-token mask rate of its block).
-
-  With `prefix_rate` > 0, that fraction of the (row, block) pairs gets a left-to-right mask
-  instead (`prefix_masks`); the others keep their independent one."""
+            fixed_t: float | None = None):
+  """-> (noisy [b,R], masked [b,R] bool, t [b,R] per-token mask rate of its block)."""
   b, r = response.shape
   nb = r // block_size
   k_t, k_m, k_f = jax.random.split(rng, 3)
@@ -57,31 +52,8 @@ def corrupt(rng, response, response_mask, block_size: int, mask_id: int, eps: fl
   forced = (u == u.max(-1, keepdims=True)) & (u >= 0)
   none = ~masked.reshape(b, nb, block_size).any(-1, keepdims=True)
   masked = masked | (forced & none).reshape(b, r)
-  if prefix_rate > 0:
-    masked, t = prefix_masks(jax.random.fold_in(rng, 1), real, masked, t, block_size, prefix_rate)
   noisy = jnp.where(masked | ~real, mask_id, response)
   return noisy, masked, t
-
-
-def prefix_masks(rng, real, masked, t, block_size: int, rate: float):
-  """Left-to-right masks in a `rate` fraction of the (row, block) pairs: the block's real tokens
-  from a cut c ~ U{0..n-1} on are masked, those before it visible (n real tokens in the block), and
-  t is the block's masked fraction (n - c) / n. This is the canvas a decoder that commits left to
-  right faces at position c, the one the AR teacher predicts from; under independent masks a
-  position is almost never trained with everything before it visible and everything after it
-  masked, the canvas on which the parallel decoder commits the candidate number.
-  -> (masked [b,R] bool, t [b,R])."""
-  b, r = real.shape
-  nb = r // block_size
-  k_use, k_cut = jax.random.split(rng)
-  n = real.reshape(b, nb, block_size).sum(-1)                                       # [b,nb]
-  cut = jnp.floor(jax.random.uniform(k_cut, (b, nb)) * n).astype(jnp.int32)         # [b,nb] in [0, n)
-  lr = (jnp.arange(block_size)[None, None] >= cut[..., None]) & real.reshape(b, nb, block_size)
-  use = (jax.random.uniform(k_use, (b, nb)) < rate) & (n > 0)                       # [b,nb]
-  masked = jnp.where(use[..., None], lr, masked.reshape(b, nb, block_size)).reshape(b, r)
-  t_lr = (n - cut) / jnp.maximum(n, 1)
-  t = jnp.where(jnp.repeat(use, block_size, axis=1), jnp.repeat(t_lr, block_size, axis=1), t)
-  return masked, t
 
 
 def choice_mask(batch, choice_after_id: int):
@@ -111,7 +83,6 @@ class LossOptions:
   choice_after_id: int = -1
   complementary: bool = False
   fixed_t: float | None = None
-  prefix_rate: float = 0.0
 
 
 def cft_loss(model_config, params, batch, rng, *, block_size: int, mask_id: int,
@@ -125,8 +96,7 @@ def cft_loss(model_config, params, batch, rng, *, block_size: int, mask_id: int,
   b, r = resp.shape
   if r % block_size:
     raise ValueError(f"task.response_len ({r}) must be a multiple of the block size ({block_size})")
-  noisy, masked, t = corrupt(rng, resp, batch["response_mask"], block_size, mask_id, eps, o.fixed_t,
-                             o.prefix_rate)
+  noisy, masked, t = corrupt(rng, resp, batch["response_mask"], block_size, mask_id, eps, o.fixed_t)
   prompt, plen, rmask = batch["prompt_ids"], batch["prompt_len"], batch["response_mask"]
   w = span_weights(batch, o.reasoning_weight, o.answer_weight, o.choice_weight, o.choice_after_id)
   if complementary:
@@ -178,9 +148,6 @@ def cft_config() -> ml_collections.ConfigDict:
   # Multiplies reasoning_weight on the reasoning's candidate numbers (the token after each ' #':
   # `next #4. So #4`): the first pick is decided there (dgr2_jax/train/cft.py). 1.0 = no change.
   c.choice_weight = 1.0
-  # Fraction of the (row, block) pairs trained on a left-to-right mask (a cut, everything after it
-  # masked: `train.cft.prefix_masks`) instead of an independent one. 0.0 = the paper's masks.
-  c.prefix_rate = 0.0
   return c
 
 
@@ -194,8 +161,6 @@ def validate(config, runs: set) -> None:
   checks.one_of(c, "cft", "loss_weighting", WEIGHTINGS)
   if float(c.cft.get("choice_weight", cft_config().choice_weight)) < 0:
     checks.fail("cft.choice_weight", f"must be >= 0, got {c.cft.choice_weight}")
-  if not 0.0 <= float(c.cft.get("prefix_rate", 0.0)) <= 1.0:
-    checks.fail("cft.prefix_rate", f"must be in [0, 1], got {c.cft.prefix_rate}")
   if not 0.0 < float(c.cft.eps) < 1.0:
     checks.fail("cft.eps", f"must be in (0, 1), got {c.cft.eps}")
   if "task" in c and c.task.response_len % c.cft.block_size:
