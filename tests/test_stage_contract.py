@@ -216,12 +216,13 @@ def test_toy_stages_with_two_processes(tmp_path):
 
 
 def test_without_drops_the_named_fields_from_a_copy():
-  """A stage's hash leaves out fields at their old defaults (`common.without`): the copy lacks them,
+  """A stage's hash leaves out fields at their old defaults (`train.config.without`): the copy lacks them,
   hashes as a section that never had them, and the caller's section is unchanged."""
   import ml_collections
   from dgr2_jax.stages import common
+  from dgr2_jax.train.config import without
   section = ml_collections.ConfigDict({"lr": 1e-4, "divergence": "forward", "inner": {"k": 3}})
-  out = common.without(section, ["divergence", "absent"])
+  out = without(section, ["divergence", "absent"])
   assert "divergence" not in out and out.lr == 1e-4 and out.inner.k == 3
   assert section.divergence == "forward"
   assert common.config_hash(out) == common.config_hash(ml_collections.ConfigDict({"lr": 1e-4, "inner": {"k": 3}}))

@@ -38,18 +38,6 @@ def config_hash(*parts: Any, workdir: str | None = None) -> str:
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def without(section, keys):
-  """A resolved copy of config `section` without `keys` (absent ones ignored): a stage's hash leaves
-  out the fields at the values that train as before they existed, and metrics-only fields, so
-  stages built before those fields existed stay fresh."""
-  section = section.copy_and_resolve_references()
-  with section.unlocked():
-    for k in keys:
-      if k in section:
-        del section[k]
-  return section
-
-
 def _relative_paths(x: Any, root: str) -> Any:
   if isinstance(x, dict):
     return {k: _relative_paths(v, root) for k, v in x.items()}

@@ -42,7 +42,7 @@ from dgr2_jax.stages import on_policy
 from dgr2_jax.task import prompts as prompts_lib
 from dgr2_jax.stages.on_policy import load_policy, rollout_decode_config, rollout_metrics, score_rollouts
 from dgr2_jax.train import grpo, loop, opd, rollouts
-from dgr2_jax.train.config import section
+from dgr2_jax.train.config import section, without
 
 
 def teacher_model_dir(config, oc, workdir: str) -> str:
@@ -223,7 +223,7 @@ def _hash(config, workdir: str, upstream: dict) -> str:
   # hash (built stages stay fresh).
   unset = (["heldout_prompts"] + (["choice_weight"] if float(oc.get("choice_weight", 1.0)) == 1.0 else [])
            + (["divergence"] if oc.get("divergence", "forward") == "forward" else []))
-  return common.config_hash(config.seed, common.without(oc, unset), config.decode, config.task, config.train.mesh,
+  return common.config_hash(config.seed, without(oc, unset), config.decode, config.task, config.train.mesh,
                             config.train.optimizer, src, common.model_hash(src), teacher_dir,
                             common.model_hash(teacher_dir) if teacher_dir else None, upstream["traces"],
                             workdir=workdir)

@@ -38,7 +38,7 @@ from dgr2_jax.stages import contract
 from dgr2_jax.stages import on_policy
 from dgr2_jax.train import grpo, loop, rollouts
 from dgr2_jax.train import opd as opd_lib
-from dgr2_jax.train.config import section
+from dgr2_jax.train.config import section, without
 
 
 def _settings(config, workdir: str, stage: str, overrides: dict | None):
@@ -66,7 +66,7 @@ def _hash(config, workdir: str, upstream: dict, stage: str, overrides: dict | No
   unset = ["dynamic_sampling", "min_informative_groups"] if grpo.sampling_settings(rc)[0] == 1 else []
   unset += ["informative"] if str(rc.get("informative", "any")) == "any" else []
   unset += ["log_kl_ref"]  # metrics only: the trained model does not depend on it
-  return common.config_hash(config.seed, common.without(rc, unset), config.decode, config.task, config.train.mesh,
+  return common.config_hash(config.seed, without(rc, unset), config.decode, config.task, config.train.mesh,
                             config.train.optimizer, src, common.model_hash(src), upstream["traces"],
                             workdir=workdir)
 

@@ -69,14 +69,21 @@ def train_config() -> ml_collections.ConfigDict:
 UNHASHED = ("checkpoint_every_minutes",)
 
 
-def hashed(train) -> ml_collections.ConfigDict:
-  """`train` (a `config.train`) without the `UNHASHED` fields, for a stage's config hash."""
-  c = train.copy_and_resolve_references()
+def without(section, keys) -> ml_collections.ConfigDict:
+  """A resolved copy of config `section` without `keys` (absent ones ignored), for a stage's config
+  hash: it leaves out fields that do not change what the stage trains (metrics-only ones, and new
+  ones at the value that trains as before they existed), so built stages stay fresh."""
+  c = section.copy_and_resolve_references()
   with c.unlocked():
-    for k in UNHASHED:
+    for k in keys:
       if k in c:
         del c[k]
   return c
+
+
+def hashed(train) -> ml_collections.ConfigDict:
+  """`train` (a `config.train`) without the `UNHASHED` fields, for a stage's config hash."""
+  return without(train, UNHASHED)
 
 
 def section(config, name: str, defaults):
