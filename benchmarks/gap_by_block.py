@@ -189,11 +189,8 @@ def measure(config, workdir: str, opts: dict) -> None:
   n = min(opts["max_examples"], n) if opts["max_examples"] else n
   prompts = {k: v[:n] for k, v in vt["prompts"].items()}
   teacher = writer(config, chain.teacher_model_dir(config, workdir), vt["tids"], ar=True)
-  record = {"command": " ".join(["python benchmarks/gap_by_block.py"] +
-                                ["--workdir=WORKDIR" if a.startswith("--workdir=") else a for a in sys.argv[1:]]),
-            "commit": results.git_commit(), "name": results.config_stem(sys.argv[1:]),
-            "machine": results.cpu_info(), "cores": os.cpu_count(),
-            "split": opts["split"], "n": n, "reasoning_tokens": b, "stages": {}}
+  record = {**results.record_head("benchmarks/gap_by_block.py"), "split": opts["split"], "n": n,
+            "reasoning_tokens": b, "stages": {}}
   for stage in opts["stages"]:
     student = writer(config, os.path.join(workdir, stage, "model"), vt["tids"], ar=False)
     eos = set(student.decode.eos_ids) | set(teacher.decode.eos_ids)

@@ -104,10 +104,7 @@ def measure(config, workdir: str, opts: dict) -> dict:
 
   held = batch(order[:HELD_OUT], 1)
   lr = float(opts["lr"]) or float(oc.lr)
-  record = {"command": " ".join(["python benchmarks/opd_transfer.py"] +
-                                ["--workdir=WORKDIR" if a.startswith("--workdir=") else a for a in sys.argv[1:]]),
-            "commit": results.git_commit(), "name": results.config_stem(sys.argv[1:]),
-            "machine": results.cpu_info(), "cores": os.cpu_count(), "lr": lr, "heldout_rows": HELD_OUT,
+  record = {**results.record_head("benchmarks/opd_transfer.py"), "lr": lr, "heldout_rows": HELD_OUT,
             "divergence": str(oc.get("divergence", "forward")), "choice_weight": float(oc.choice_weight),
             "curves": {}}
   for n in (int(r) for r in opts["rows"]):

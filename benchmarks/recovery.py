@@ -142,7 +142,7 @@ def main(argv):
       write_docs(json.load(f), _DOCS.value, _RENDER.value)
     return
   config, workdir = _CONFIG.value, _WORKDIR.value
-  commit = results.git_commit()  # the code the run starts with (an hour or more before the record is written)
+  head = results.record_head("benchmarks/recovery.py")  # its commit: the code the run starts with
   rows = []
   for f in sorted((float(x) for x in _FRACTIONS.value), reverse=True):   # the full chain (and its teacher rows) first
     steps = max(1, int(round(f * int(config.cft.steps))))
@@ -154,11 +154,7 @@ def main(argv):
              "rl_kept_step": kept_step(wd, "rl"), **figure(hits(config, wd, split, _MAX.value))}
       rows.append(row)
       print(render([row]), flush=True)
-  # The workdir is this machine's; the record names it WORKDIR.
-  argv = ["--workdir=WORKDIR" if a.startswith("--workdir=") else a for a in sys.argv[1:]]
-  record = {"command": " ".join(["python benchmarks/recovery.py"] + argv), "commit": commit,
-            "name": results.config_stem(sys.argv[1:]), "machine": results.cpu_info(), "cores": os.cpu_count(),
-            "rows": rows}
+  record = {**head, "rows": rows}
   if _OUT.value:
     fileio.write_json_atomic(_OUT.value, record)
     print(f"wrote {_OUT.value}")

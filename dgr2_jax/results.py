@@ -252,6 +252,22 @@ def replace_marked(text: str, tables: dict, kind: str, doc: str = "") -> str:
   return text
 
 
+def record_head(script: str, argv: Sequence[str] | None = None) -> dict:
+  """The fields a benchmark's record opens with: `command` (`python SCRIPT ARGS`, this machine's
+  paths out: the workdir as WORKDIR, the data directory as PATH/<its name>), `commit` (read now, so
+  call this when the run starts), `name` (`config_stem`), `machine` and `cores`."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+
+  def portable(a: str) -> str:
+    if a.startswith("--workdir="):
+      return "--workdir=WORKDIR"
+    if a.startswith("--config.data.dir="):
+      return "--config.data.dir=PATH/" + os.path.basename(a.split("=", 1)[1].rstrip("/"))
+    return a
+  return {"command": " ".join([f"python {script}"] + [portable(a) for a in argv]), "commit": git_commit(),
+          "name": config_stem(argv), "machine": cpu_info(), "cores": os.cpu_count()}
+
+
 def record_source(record: dict, json_path: str) -> str:
   """"Commit `C`, `COMMAND`, on N CPU cores (CPU, ISA); JSON: `PATH`." for a benchmark's record
   (its commit, command, machine and cores fields): the sentence above a generated table."""

@@ -1,5 +1,7 @@
 """dgr2_jax/results.py: what a results file records of the machine that made it."""
 
+import os
+
 from dgr2_jax import results
 
 
@@ -22,3 +24,15 @@ def test_config_stem_names_the_config_file_without_its_variants():
   assert results.config_stem(["--workdir=/w", "--config=configs/beauty_cpu.py:smoke"]) == "beauty_cpu"
   assert results.config_stem(["--config=/x/demo.py"]) == "demo"
   assert results.config_stem([], default="other") == "other"
+
+
+def test_record_head_names_the_command_without_this_machines_paths(monkeypatch):
+  """A benchmark record's command keeps every flag but this machine's workdir and data directory."""
+  monkeypatch.setenv("GIT_COMMIT", "abc1234")
+  head = results.record_head("benchmarks/x.py", ["--config=configs/beauty_cpu.py",
+                                                 "--config.data.dir=/srv/data/amazon_beauty/",
+                                                 "--workdir=/tmp/w", "--rows=64,128"])
+  assert head["command"] == ("python benchmarks/x.py --config=configs/beauty_cpu.py "
+                             "--config.data.dir=PATH/amazon_beauty --workdir=WORKDIR --rows=64,128")
+  assert head["commit"] == "abc1234" and head["name"] == "beauty_cpu"
+  assert head["cores"] == os.cpu_count() and "cpu_model" in head["machine"]
