@@ -64,18 +64,19 @@ def define_flags() -> dict:
 def curve(d: opd_stage.Distillation, train: dict, held: dict, lr: float, steps: int, every: int) -> list[dict]:
   """[{step, train_loss, heldout_loss[, train_choice_kl, heldout_choice_kl]}] of `steps` Adam steps on
   the batch `train` (module docstring); the choice KLs where the loss reports them."""
-  loss = lambda p, b: d.loss_fn(p, b, None, d.frozen)[0]
   value = jax.jit(lambda p, b: d.loss_fn(p, b, None, d.frozen))
-  grad = jax.jit(jax.grad(loss))
+  # The train batch's loss comes with its gradient: one forward per step, measured or not.
+  value_and_grad = jax.jit(jax.value_and_grad(lambda p, b: d.loss_fn(p, b, None, d.frozen), has_aux=True))
   tx = optax.adam(lr)
   params = d.params
   state = tx.init(params)
   out = []
   for s in range(steps + 1):
+    train_value, grads = value_and_grad(params, train)
     if s % every == 0 or s == steps:
       row = {"step": s}
       for name, b in (("train", train), ("heldout", held)):
-        v, m = value(params, b)
+        v, m = train_value if name == "train" else value(params, b)
         row[f"{name}_loss"] = float(v)
         if "choice_kl" in m:   # the KL at the candidate numbers alone (opd.choice_weight != 1)
           row[f"{name}_choice_kl"] = float(m["choice_kl"])
@@ -84,7 +85,7 @@ def curve(d: opd_stage.Distillation, train: dict, held: dict, lr: float, steps: 
             + (f"  held-out at the numbers {row['heldout_choice_kl']:.4f}" if "heldout_choice_kl" in row else ""),
             flush=True)
     if s < steps:
-      updates, state = tx.update(grad(params, train), state, params)
+      updates, state = tx.update(grads, state, params)
       params = optax.apply_updates(params, updates)
   return out
 
