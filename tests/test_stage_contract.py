@@ -14,12 +14,15 @@ import json
 import os
 import sys
 
+import ml_collections
 import pytest
 
 import multiprocess_harness as mph
 from dgr2_jax import main as main_lib
+from dgr2_jax.stages import common
 from dgr2_jax.stages import pipeline
 from dgr2_jax.stages import registry
+from dgr2_jax.train.config import without
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOYS = ("dgr2_toy_a", "dgr2_toy_b")
@@ -218,9 +221,6 @@ def test_toy_stages_with_two_processes(tmp_path):
 def test_without_drops_the_named_fields_from_a_copy():
   """A stage's hash leaves out fields at their old defaults (`train.config.without`): the copy lacks them,
   hashes as a section that never had them, and the caller's section is unchanged."""
-  import ml_collections
-  from dgr2_jax.stages import common
-  from dgr2_jax.train.config import without
   section = ml_collections.ConfigDict({"lr": 1e-4, "divergence": "forward", "inner": {"k": 3}})
   out = without(section, ["divergence", "absent"])
   assert "divergence" not in out and out.lr == 1e-4 and out.inner.k == 3
