@@ -36,8 +36,6 @@ def stage_train_config(config, workdir_stage_cfg, n_examples: int):
   with config.unlocked():
     if sc.get("lr", 0):
       config.train.optimizer.peak_lr = float(sc.lr)
-    if float(sc.get("anchor_decay", 0.0)) > 0:
-      config.train.optimizer.anchor_decay = float(sc.anchor_decay)
     if sc.get("batch_size", 0):
       config.train.batch_size = int(sc.batch_size)
     if sc.get("steps", 0):
@@ -82,10 +80,8 @@ def _source(config, workdir: str) -> tuple[str, str]:
 def _hash(config, workdir: str, upstream: dict) -> str:
   prev, init_from = _source(config, workdir)
   up = [upstream["traces"], contract.upstream(workdir, [prev])[prev]]
-  # A field at the value that trains as before it existed stays out of the hash (built stages stay fresh).
-  unset = ["anchor_decay"] if float(config.cft.get("anchor_decay", 0.0)) == 0 else []
-  return common.config_hash(config.seed, train_config.without(config.cft, unset), train_config.hashed(config.train),
-                            config.task, init_from, up, workdir=workdir)
+  return common.config_hash(config.seed, config.cft, train_config.hashed(config.train), config.task, init_from, up,
+                            workdir=workdir)
 
 
 def _build(config, workdir: str, build: contract.Build) -> str:

@@ -148,9 +148,6 @@ def cft_config() -> ml_collections.ConfigDict:
   # Multiplies reasoning_weight on the reasoning's candidate numbers (the token after each ' #':
   # `next #4. So #4`): the first pick is decided there (dgr2_jax/train/cft.py). 1.0 = no change.
   c.choice_weight = 1.0
-  # Decoupled decay toward the converted (teacher's) weights, as AdamW's toward zero
-  # (`optim.pull_toward_start`): keeps the conversion close to what the teacher knows. 0 = off.
-  c.anchor_decay = 0.0
   return c
 
 
@@ -162,8 +159,6 @@ def validate(config, runs: set) -> None:
     return
   checks.positive_int(c, "cft", "block_size")
   checks.one_of(c, "cft", "loss_weighting", WEIGHTINGS)
-  if float(c.cft.get("anchor_decay", 0.0)) < 0:
-    checks.fail("cft.anchor_decay", f"must be >= 0, got {c.cft.anchor_decay}")
   if float(c.cft.get("choice_weight", cft_config().choice_weight)) < 0:
     checks.fail("cft.choice_weight", f"must be >= 0, got {c.cft.choice_weight}")
   if not 0.0 < float(c.cft.eps) < 1.0:

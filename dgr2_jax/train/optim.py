@@ -1,5 +1,4 @@
-"""Optimiser: AdamW with linear warmup then cosine decay (or constant), global-norm clipping, and
-optionally a decoupled pull toward the starting weights (`anchor_decay`, see `pull_toward_start`).
+"""Optimiser: AdamW with linear warmup then cosine decay (or constant), global-norm clipping.
 
 Gradient accumulation is not an optimizer wrapper: `loop.make_train_step` scans the micro-batches
 inside one step and applies the optimizer once, so one step always means one update (the schedule,
@@ -9,10 +8,7 @@ checkpoints and metrics count updates). Master weights are whatever dtype the pa
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
-import jax.numpy as jnp
 import optax
 
 
@@ -35,36 +31,7 @@ def decay_mask(params):
   return jax.tree_util.tree_map(lambda x: x.ndim >= 2, params)
 
 
-class PullState(NamedTuple):
-  count: jax.Array  # updates applied so far (the schedule's step)
-  start: optax.Params  # the weights at `init`: where the pull points
-
-
-def pull_toward_start(schedule: optax.Schedule, rate: float) -> optax.GradientTransformation:
-  """Adds -lr(t) * rate * (params - start) to the updates, `start` being the params at `init`:
-  AdamW's decoupled weight decay with the starting weights in place of zero (L2-SP, Li et al. 2018,
-  "Explicit inductive bias for transfer learning with convolutional networks"). A fine-tune that
-  must keep what its starting checkpoint knows (the conversion to block diffusion: `cft.anchor_decay`)
-  drifts at most ~|Adam step| / rate per weight from it. The state holds one copy of the params
-  (sharded like them); it is saved and restored with the rest of the optimiser state."""
-
-  def init(params):
-    return PullState(count=jnp.zeros([], jnp.int32), start=jax.tree.map(jnp.copy, params))
-
-  def update(updates, state, params=None):
-    if params is None:
-      raise ValueError("pull_toward_start needs the params in update()")
-    step = -schedule(state.count) * rate
-    updates = jax.tree.map(lambda u, p, s: u + (step * (p - s)).astype(u.dtype), updates, params, state.start)
-    return updates, PullState(count=optax.safe_increment(state.count), start=state.start)
-
-  return optax.GradientTransformation(init, update)
-
-
 def make_optimizer(opt_cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW (`train.optimizer`); with `anchor_decay` > 0 (a field the CFT stage sets from
-  `cft.anchor_decay`; absent means 0) also `pull_toward_start`. Without it the state is AdamW's
-  alone, so checkpoints written before the option existed resume."""
   schedule = make_schedule(opt_cfg, total_steps)
   parts = []
   if float(opt_cfg.clip_norm) > 0:
@@ -72,6 +39,4 @@ def make_optimizer(opt_cfg, total_steps: int) -> tuple[optax.GradientTransformat
   parts.append(optax.adamw(schedule, b1=float(opt_cfg.b1), b2=float(opt_cfg.b2),
                            eps=float(opt_cfg.eps), weight_decay=float(opt_cfg.weight_decay),
                            mask=decay_mask))
-  if float(opt_cfg.get("anchor_decay", 0.0)) > 0:
-    parts.append(pull_toward_start(schedule, float(opt_cfg.anchor_decay)))
   return optax.chain(*parts), schedule
