@@ -27,7 +27,6 @@ rewrites it from a recorded JSON without running anything.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import sys
@@ -43,7 +42,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from dgr2_jax import chain  # noqa: E402
-from dgr2_jax import fileio  # noqa: E402
 from dgr2_jax import main as main_lib  # noqa: E402
 from dgr2_jax import results  # noqa: E402
 from dgr2_jax.model import qwen3, streams  # noqa: E402
@@ -180,25 +178,18 @@ def load_models(config, workdir: str, specs) -> tuple[dict, dict]:
   return models, where
 
 
-def main(argv, f: dict):
-  del argv
-  main_lib.quiet_logs(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)
-  if f["render"].value:   # the docs from a recorded JSON, nothing run
-    with open(f["render"].value) as fh:
-      record = json.load(fh)
-    write_docs(record, f["docs"].value, f["render"].value)
-    return
-  config, workdir = f["config"].value, f["workdir"].value
+def measure(config, workdir: str, f: dict) -> dict:
   record = {**results.record_head("benchmarks/decision_probe.py"), "splits": list(f["splits"].value), "probe": {}}
   models, record["models"] = load_models(config, workdir, f["models"].value)
   for split in record["splits"]:
     record["probe"][split] = probe_split(config, workdir, split, models, f["max_examples"].value, f["batch"].value)
-  print(render(record), flush=True)
-  if f["out"].value:
-    fileio.write_json_atomic(f["out"].value, record)
-    print(f"wrote {f['out'].value}")
-  if f["docs"].value:
-    write_docs(record, f["docs"].value, f["out"].value)
+  return record
+
+
+def main(argv, f: dict):
+  del argv
+  main_lib.quiet_logs(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)
+  results.benchmark_main(f, lambda: measure(f["config"].value, f["workdir"].value, f), render, write_docs)
 
 
 if __name__ == "__main__":

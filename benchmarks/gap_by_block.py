@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import sys
 
@@ -50,7 +49,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from dgr2_jax import chain  # noqa: E402
-from dgr2_jax import fileio  # noqa: E402
 from dgr2_jax import main as main_lib  # noqa: E402
 from dgr2_jax import results  # noqa: E402
 from dgr2_jax.decode import sampler  # noqa: E402
@@ -158,29 +156,29 @@ def render(stage: str, n: int, rows: dict) -> str:
   return "\n".join(lines)
 
 
+def render_all(record: dict) -> str:
+  return "\n\n".join(render(stage, record["n"], rows) for stage, rows in record["stages"].items())
+
+
 def write_docs(record: dict, doc: str, json_path: str) -> None:
   """Each stage's table, after a sentence naming the commit, command and machine, between the doc's
   `<!-- gap-by-block-table:<name> -->` markers (`results.write_marked_table`)."""
   head = (f"{results.record_source(record, json_path)} The {record['split']} split; the reasoning block is the "
           f"first {record['reasoning_tokens']} response tokens; paired bootstrap 95% intervals over users.")
-  body = "\n\n".join([head] + [render(stage, record["n"], rows) for stage, rows in record["stages"].items()])
+  body = head + "\n\n" + render_all(record)
   results.write_marked_table(doc, "gap-by-block", record.get("name", "demo"), body, "gap_by_block")
 
 
 def main(argv, f: dict):
   del argv
   main_lib.quiet_logs(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)
-  if f["render"].value:   # the docs from a recorded JSON, nothing run
-    with open(f["render"].value) as fh:
-      record = json.load(fh)
-    write_docs(record, f["docs"].value, f["render"].value)
-  else:
-    measure(f["config"].value, f["workdir"].value, {k: v.value for k, v in f.items() if k != "config"})
+  opts = {k: v.value for k, v in f.items() if k != "config"}
+  results.benchmark_main(f, lambda: measure(f["config"].value, f["workdir"].value, opts),
+                         render_all, write_docs)
 
 
-def measure(config, workdir: str, opts: dict) -> None:
-  """Every stage's table on the split (`opts`: the flags' values), printed, and with out / docs
-  recorded."""
+def measure(config, workdir: str, opts: dict) -> dict:
+  """The record of every stage's split on the split (`opts`: the flags' values)."""
   b = int(config.task.get("answer_block", 0))
   if not b:
     raise SystemExit("gap_by_block: task.answer_block is 0: the answer has no block of its own to split at")
@@ -196,12 +194,7 @@ def measure(config, workdir: str, opts: dict) -> None:
     eos = set(student.decode.eos_ids) | set(teacher.decode.eos_ids)
     cells = split_gap(teacher, student, prompts, b, lambda t: hits(t, eos, vt["tokenizer"], prompts, vt["sids"]))
     record["stages"][stage] = summary(cells)
-    print(render(stage, n, record["stages"][stage]), flush=True)
-  if opts["out"]:
-    fileio.write_json_atomic(opts["out"], record)
-    print(f"wrote {opts['out']}")
-  if opts["docs"]:
-    write_docs(record, opts["docs"], opts["out"])
+  return record
 
 
 if __name__ == "__main__":

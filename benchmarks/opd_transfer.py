@@ -22,7 +22,6 @@ from a recorded JSON without running anything.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 
@@ -36,7 +35,6 @@ from ml_collections import config_flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from dgr2_jax import fileio  # noqa: E402
 from dgr2_jax import main as main_lib  # noqa: E402
 from dgr2_jax import results  # noqa: E402
 from dgr2_jax.stages import on_policy  # noqa: E402
@@ -144,17 +142,8 @@ def write_docs(record: dict, doc: str, json_path: str) -> None:
 def main(argv, f: dict):
   del argv
   main_lib.quiet_logs(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)
-  if f["render"].value:   # the docs from a recorded JSON, nothing run
-    with open(f["render"].value) as fh:
-      write_docs(json.load(fh), f["docs"].value, f["render"].value)
-    return
-  record = measure(f["config"].value, f["workdir"].value, {k: v.value for k, v in f.items() if k != "config"})
-  print(render(record))
-  if f["out"].value:
-    fileio.write_json_atomic(f["out"].value, record)
-    print(f"wrote {f['out'].value}")
-  if f["docs"].value:
-    write_docs(record, f["docs"].value, f["out"].value)
+  opts = {k: v.value for k, v in f.items() if k != "config"}
+  results.benchmark_main(f, lambda: measure(f["config"].value, f["workdir"].value, opts), render, write_docs)
 
 
 if __name__ == "__main__":

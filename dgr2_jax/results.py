@@ -18,12 +18,13 @@ them (`replace_marked`), `update_docs` writes (or, with --check, names) the docs
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import re
 import subprocess
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from dgr2_jax import fileio
 
@@ -289,6 +290,24 @@ def write_marked_table(doc: str, kind: str, name: str, body: str, tool: str) -> 
     raise SystemExit(f"{tool}: {e}") from None
   fileio.write_text_atomic(doc, text)
   print(f"wrote {doc}")
+
+
+def benchmark_main(f: dict, measure: Callable[[], dict], render: Callable[[dict], str],
+                   write_docs: Callable[[dict, str, str], None]) -> None:
+  """What a benchmark whose record renders into a doc does with its `render`, `out` and `docs` flags
+  (`f`: name -> absl flag): with `--render=JSON` the doc's table rewritten from that recorded JSON,
+  nothing run; else `measure()`'s record printed, written to `--out` and into `--docs` when given."""
+  if f["render"].value:
+    with open(f["render"].value) as fh:
+      write_docs(json.load(fh), f["docs"].value, f["render"].value)
+    return
+  record = measure()
+  print(render(record), flush=True)
+  if f["out"].value:
+    fileio.write_json_atomic(f["out"].value, record)
+    print(f"wrote {f['out'].value}")
+  if f["docs"].value:
+    write_docs(record, f["docs"].value, f["out"].value)
 
 
 def marked_docs(repo: str, docs: dict, kind: str, table) -> dict:

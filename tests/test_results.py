@@ -1,5 +1,6 @@
 """dgr2_jax/results.py: what a results file records of the machine that made it."""
 
+import json
 import os
 
 from dgr2_jax import results
@@ -36,3 +37,30 @@ def test_record_head_names_the_command_without_this_machines_paths(monkeypatch):
                              "--config.data.dir=PATH/amazon_beauty --workdir=WORKDIR --rows=64,128")
   assert head["commit"] == "abc1234" and head["name"] == "beauty_cpu"
   assert head["cores"] == os.cpu_count() and "cpu_model" in head["machine"]
+
+
+class _Flag:
+  def __init__(self, value):
+    self.value = value
+
+
+def test_benchmark_main_measures_or_renders_a_recorded_json(tmp_path):
+  """Without --render: measured, printed, written to --out and into --docs; with it: the doc
+  rewritten from the JSON and nothing measured."""
+  measured, docs = [], []
+  out = tmp_path / "rec.json"
+
+  def measure():
+    measured.append(1)
+    return {"x": 1}
+
+  def write_docs(record, doc, json_path):
+    docs.append((record, doc, json_path))
+
+  results.benchmark_main({"render": _Flag(""), "out": _Flag(str(out)), "docs": _Flag("d.md")}, measure,
+                         lambda r: f"x={r['x']}", write_docs)
+  assert measured == [1] and json.loads(out.read_text()) == {"x": 1}
+  assert docs == [({"x": 1}, "d.md", str(out))]
+  results.benchmark_main({"render": _Flag(str(out)), "out": _Flag(""), "docs": _Flag("e.md")}, measure,
+                         lambda r: "", write_docs)
+  assert measured == [1] and docs[-1] == ({"x": 1}, "e.md", str(out))
