@@ -88,12 +88,7 @@ def get_config(arg: str = ""):
   c.eval.max_examples = 1024
   c.eval.batch_size = 32
   c.cft.epochs = 0
-  # CFT at a third of the SFT learning rate for twice the steps of the earlier preset (400 at 3e-3):
-  # read teacher-forced (benchmarks/decision_probe.py) the converted model then names the trace's
-  # first pick more often (95.6% of its training users against 94.0%; the teacher 98.0%), and on
-  # all 1,639 validation users CFT ends 0.0025 below the teacher instead of 0.0110 (docs/results.md).
-  c.cft.steps = 800
-  c.cft.lr = 1e-3
+  c.cft.steps = 400
   # OPD: 64 steps of 32 prompts x 1 rollout at lr 1e-4, the candidate choices weighted 10x, the
   # rollouts sampled at temperature 0.7 (docs/results.md, "Closing the gap CFT leaves": chosen on
   # all 1,639 validation users of two chains; more rollouts per prompt or lr 3e-5 moved 1/3 as
