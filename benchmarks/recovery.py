@@ -23,7 +23,6 @@ it from a recorded JSON without running anything.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -134,14 +133,9 @@ def kept_step(workdir: str, stage: str):
   return None if done is None else done.get("best_step")
 
 
-def main(argv):
-  del argv
-  main_lib.quiet_logs(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)
-  if _RENDER.value:
-    with open(_RENDER.value) as f:
-      write_docs(json.load(f), _DOCS.value, _RENDER.value)
-    return
-  config, workdir = _CONFIG.value, _WORKDIR.value
+def measure(config, workdir: str) -> dict:
+  """The figure's record: every fraction's chain built (or found fresh) and scored on each split;
+  each row printed as it is done (an hour-long run)."""
   head = results.record_head("benchmarks/recovery.py")  # its commit: the code the run starts with
   rows = []
   for f in sorted((float(x) for x in _FRACTIONS.value), reverse=True):   # the full chain (and its teacher rows) first
@@ -154,13 +148,15 @@ def main(argv):
              "rl_kept_step": kept_step(wd, "rl"), **figure(hits(config, wd, split, _MAX.value))}
       rows.append(row)
       print(render([row]), flush=True)
-  record = {**head, "rows": rows}
-  if _OUT.value:
-    fileio.write_json_atomic(_OUT.value, record)
-    print(f"wrote {_OUT.value}")
-  print(render(rows))
-  if _DOCS.value:
-    write_docs(record, _DOCS.value, _OUT.value)
+  return {**head, "rows": rows}
+
+
+def main(argv):
+  del argv
+  main_lib.quiet_logs(flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1)
+  results.benchmark_main({"render": _RENDER, "out": _OUT, "docs": _DOCS},
+                         lambda: measure(_CONFIG.value, _WORKDIR.value), lambda record: render(record["rows"]),
+                         write_docs)
 
 
 def write_docs(record: dict, doc: str, json_path: str) -> None:
