@@ -6,7 +6,7 @@
 Variants after ':' (comma-separated, see configs/base.py VARIANTS): no_cft, no_teacher_rl,
 cft_only, opd_no_rl, rl_no_opd, weight_none, complementary, block4/8/16/32/64; and (this file
 only) `smoke`: every stage at toy size in minutes (the fresh-machine check), and `long`: the same
-run with 5x the CFT steps and 3x the OPD/RL steps (about 40 more minutes on 2 cores; in the same
+run with 5x the CFT steps and 3x the OPD/RL steps (about 45 more minutes on 2 cores; in the same
 workdir it reuses the data, the teacher and the naive conversion):
 
   python benchmarks/recipe_figures.py --config=configs/demo.py:long --workdir=/tmp/dgr2_demo
