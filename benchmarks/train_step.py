@@ -78,6 +78,10 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "v5p": 
                "v4": 275.0}
 QWEN3 = dict(vocab_size=151936, num_key_value_heads=8, head_dim=128)
 PRESETS = {
+    # configs/demo.py's model and batch (the demo's tokenizer has 1,061 tokens).
+    "demo": dict(model=dict(vocab_size=1061, hidden_size=64, intermediate_size=192, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+                 batch=16, prompt=160, response=64, dtype="float32", remat=False),
     "tiny": dict(model=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
                  batch=8, prompt=64, response=128, dtype="float32", remat=False),

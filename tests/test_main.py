@@ -292,6 +292,41 @@ def test_results_tables_render(tmp_path):
   assert sorted(p for p in os.listdir(tmp_path) if p.startswith(".")) == []
 
 
+def test_ladder_reuses_the_rows_of_a_kept_starting_model(tmp_path, monkeypatch):
+  """A stage that kept its step 0 holds its previous model's weights: the ladder reads that row
+  from the earlier row of the same weights and decode settings (`same_as`), and decodes the rest."""
+  workdir = str(tmp_path)
+  c = load_config("demo.py")
+  kept = {"sft": None, "teacher_rl": 0, "convert": None, "cft": None, "opd": 0, "rl": 0}
+  for s, best in kept.items():
+    with common.atomic_dir(os.path.join(workdir, s), f"h-{s}", {"best_step": best}) as tmp:
+      os.makedirs(os.path.join(tmp, "model"))
+  assert [pipeline.weights_stage(c, workdir, s) for s in kept] == ["sft", "sft", "convert", "cft", "cft", "cft"]
+  with c.unlocked():
+    c.opd.init_from = os.path.join(workdir, "cft", "model")   # an explicit start is not followed
+  assert pipeline.weights_stage(c, workdir, "rl") == "opd"
+  c = load_config("demo.py")
+  calls = []
+
+  def fake_eval(cfg, wd, same_as=None):
+    calls.append((cfg.eval.name, same_as and os.path.basename(same_as)))
+    out = os.path.join(wd, "eval", cfg.eval.name)
+    with common.atomic_dir(out, "e-" + cfg.eval.name) as tmp:
+      common.write_json_atomic(os.path.join(tmp, "metrics.json"), {"recall@1": 0.5, "valid_rate": 1.0, "n": 1})
+      with open(os.path.join(tmp, "predictions.jsonl"), "w") as f:
+        f.write(json.dumps({"example_id": 0, "history": [1], "candidates": [10, 11], "target_pos": 0,
+                            "fallback": False, "ranking_items": [10, 11]}) + "\n")
+    return out
+
+  from dgr2_jax.stages import eval as eval_stage
+  monkeypatch.setattr(eval_stage, "run", fake_eval)
+  monkeypatch.setattr(pipeline, "rule_picks", lambda *a: {})
+  pipeline.run_ladder(c, workdir)
+  # The speculative row decodes (another decoder), though its drafter is CFT's weights too.
+  assert calls == [("ar_sft", None), ("ar", "ar_sft"), ("naive", None), ("cft", None), ("cft_opd", "cft"),
+                   ("cft_opd_rl", "cft"), ("speculative", None)]
+
+
 def test_ladder_uses_each_model_and_ar_decoding(tmp_path, monkeypatch):
   """run_ladder with the eval stage replaced: which model/decode each row gets, and the table."""
   workdir = str(tmp_path)
@@ -316,7 +351,8 @@ def test_ladder_uses_each_model_and_ar_decoding(tmp_path, monkeypatch):
   from dgr2_jax.data import api
   monkeypatch.setattr(api, "load_items", lambda wd: items)
 
-  def fake_eval(cfg, wd):
+  def fake_eval(cfg, wd, same_as=None):
+    assert same_as is None   # no stage here kept its starting model
     seen.append((cfg.eval.name, cfg.eval.model_dir, cfg.decode.block_size, cfg.decode.mode, cfg.decode.threshold,
                  cfg.decode.steps_per_block, common.model_hash(cfg.eval.model_dir)))
     out = os.path.join(wd, "eval", cfg.eval.name)

@@ -8,6 +8,11 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
+
+from dgr2_jax.model import checkpoint
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "--config=configs/demo.py:smoke"  # every stage at toy size (configs/demo.py `smoke`)
 
@@ -61,6 +66,27 @@ def test_toy_pipeline_end_to_end(smoke_workdir):
     beat = [c for c in vc["curve"][1:] if 0 < c["valid_gain_over_start"] > bar * c["valid_gain_se"]]
     top = max(beat, key=lambda c: (c["valid_recall@1"], c["valid_valid_rate"], -c["step"])) if beat else vc["curve"][0]
     assert vc["best_step"] == done["best_step"] == top["step"], (stage, vc, done)
+  # A stage that kept its starting point saved its starting model bit for bit, so the ladder reads
+  # that row from the row of the same weights instead of decoding it again (pipeline.weights_stage).
+  source = {"teacher_rl": ("sft", "ar_sft"), "opd": ("cft", "cft"), "rl": ("opd", "cft_opd")}
+  for stage, method in (("teacher_rl", "ar"), ("opd", "cft_opd"), ("rl", "cft_opd_rl")):
+    kept_start = json.load(open(os.path.join(workdir, stage, "DONE.json")))["best_step"] == 0
+    metrics = json.load(open(os.path.join(workdir, "eval", method, "metrics.json")))
+    if not kept_start:
+      assert "same_weights_as" not in metrics, (stage, metrics)
+      continue
+    prev, _ = source[stage]
+    mine, theirs = (checkpoint.load_model_dir(os.path.join(workdir, s, "model"))[1] for s in (stage, prev))
+    assert jax.tree_util.tree_structure(mine) == jax.tree_util.tree_structure(theirs), stage
+    for a, b in zip(jax.tree_util.tree_leaves(mine), jax.tree_util.tree_leaves(theirs)):
+      assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b)), stage
+    twin = metrics["same_weights_as"]
+    prev_kept = prev in source and json.load(open(os.path.join(workdir, prev, "DONE.json")))["best_step"] == 0
+    expected = source[prev][1] if prev_kept else source[stage][1]   # the first row of these weights
+    assert os.path.basename(twin) == expected, (stage, twin)
+    decoded = json.load(open(os.path.join(twin, "metrics.json")))
+    assert {k: v for k, v in metrics.items() if k not in ("model_dir", "same_weights_as")} == {
+        k: v for k, v in decoded.items() if k != "model_dir"}, stage
   # The RL stages log the KL to their starting model on every step that updates (rl.log_kl_ref).
   for stage in ("teacher_rl", "rl"):
     recs = [json.loads(x) for x in open(os.path.join(workdir, stage, "train", "metrics.jsonl"))]
@@ -150,3 +176,31 @@ def test_natural_prompt_pool_leaves_out_inserted_targets(smoke_workdir):
   assert natural["counts"]["pool"] == {"natural": len(kept), "listed": len(ids)}
   order = [int(np.flatnonzero(every["prompts"]["example_id"] == i)[0]) for i in kept]
   assert order == sorted(order)   # the pool keeps the traces' order
+
+
+def test_validation_in_calls_equals_one_call(smoke_workdir):
+  """`valid_batch_size`: the validation curve's users decoded a few per call (the last call padded)
+  give each user the hit one call of all of them gives, for the AR and the block-diffusion decoder."""
+  import dataclasses
+  import importlib.util
+  from dgr2_jax.stages import on_policy
+  spec = importlib.util.spec_from_file_location("demo_cfg", os.path.join(REPO, "configs", "demo.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("smoke")
+  task = on_policy.task_setup(config, smoke_workdir, "valid")
+  users = len(task["prompts"]["prompt_ids"])
+  assert users >= 3, users   # at least one full call of 2 and a padded one
+  for stage in ("sft", "cft"):
+    mc, params = on_policy.load_policy(config, os.path.join(smoke_workdir, stage, "model"))
+    dc = on_policy.rollout_decode_config(config, task["tids"], mc, 0.0)
+    if stage == "sft":
+      dc = dataclasses.replace(dc, block_size=1, threshold=1.0)
+    policy = mc.as_block_diffusion(dc.block_size, dc.mask_token_id)
+    out = {}
+    for per in (0, 2):
+      rc = config.rl.copy_and_resolve_references()
+      with rc.unlocked():
+        rc.valid_every, rc.valid_prompts, rc.valid_batch_size = 1, users, per
+      out[per] = on_policy.validator(config, smoke_workdir, rc, policy, dc)(params)
+    assert len(out[0]["valid_hits"]) == users and out[2] == out[0], (stage, out)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -109,8 +110,12 @@ def output_dir(config, workdir: str, chash: str, name: str) -> str:
   return ec.output_dir or os.path.join(workdir, "eval", ec.name or f"{ec.split}-{chash[:8]}")
 
 
-def _build(config, workdir: str, build: contract.Build, generate_fn=None, models: dict | None = None) -> str:
-  """Decodes and scores `config.eval.split` -> the output directory. `models`: see `load_on_device`."""
+def _build(config, workdir: str, build: contract.Build, generate_fn=None, models: dict | None = None,
+           same_as: str | None = None) -> str:
+  """Decodes and scores `config.eval.split` -> the output directory. `models`: see `load_on_device`;
+  `same_as`: see `run`."""
+  if same_as:
+    return _copy_twin(config, build, same_as)
   ec, tc = config.eval, config.task
   if not ec.model_dir and generate_fn is None:
     raise ValueError("config.eval.model_dir is required for --config.stage=eval")
@@ -181,14 +186,37 @@ def _build(config, workdir: str, build: contract.Build, generate_fn=None, models
   return build.out
 
 
+def _copy_twin(config, build: contract.Build, twin: str) -> str:
+  """Publishes `twin`'s outputs (an eval of the same weights with the same settings) as this one's:
+  what decoding would write, since the decoder is deterministic given the weights, the settings
+  and the seed. metrics.json names this eval's model and the twin (`same_weights_as`)."""
+  metrics = _read_metrics(twin)
+  metrics.update(model_dir=config.eval.model_dir, same_weights_as=twin)
+  with build.publish() as tmp:
+    if common.is_writer():
+      for name in ("predictions.jsonl", schedule_lib.FILENAME):
+        if os.path.exists(os.path.join(twin, name)):
+          shutil.copyfile(os.path.join(twin, name), os.path.join(tmp, name))
+    common.write_json_atomic(os.path.join(tmp, "metrics.json"), metrics)
+  return build.out
+
+
+def _read_metrics(out: str) -> dict:
+  with open(os.path.join(out, "metrics.json")) as f:
+    return json.load(f)
+
+
 # Reads the traces and the stages they are built from (the model is named by eval.model_dir).
 STAGE = contract.Stage(name="eval", reads=traces_stage.UPSTREAM + ("traces",), hashed=_hash, build=_build,
                        output=output_dir)
 
 
-def run(config, workdir: str, generate_fn=None, models: dict | None = None) -> str:
+def run(config, workdir: str, generate_fn=None, models: dict | None = None, same_as: str | None = None) -> str:
   """Decodes and scores `config.eval.split` (unless fresh) -> the output directory. `models`: see
-  `load_on_device`; `generate_fn` replaces the decoder (the bench stage's timed one, tests)."""
+  `load_on_device`; `generate_fn` replaces the decoder (the bench stage's timed one, tests);
+  `same_as`: the output directory of an eval of the same weights with the same split, task and
+  decode settings (the ladder's rows of a stage that kept its starting model), whose outputs are
+  this one's: copied, not decoded again."""
   if not config.eval.model_dir and generate_fn is None:   # before a fresh output is returned
     raise ValueError("config.eval.model_dir is required for --config.stage=eval")
-  return contract.run(STAGE, config, workdir, generate_fn=generate_fn, models=models)
+  return contract.run(STAGE, config, workdir, generate_fn=generate_fn, models=models, same_as=same_as)

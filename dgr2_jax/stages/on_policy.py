@@ -143,10 +143,12 @@ def validator(config, workdir: str, rc, policy_cfg, dc):
   """`params -> {"valid_recall@1", "valid_valid_rate", "valid_hits"}` for an on-policy stage whose
   section `rc` has valid_every / valid_prompts (opd, rl, teacher_rl): greedy decoding (the
   rollouts' decode config at temperature 0) of the first `rc.valid_prompts` validation users whose
-  target is listed; an invalid output falls back to the retriever's order, as in evaluation.
+  target is listed, `rc.valid_batch_size` of them per call (the last call padded with copies of
+  its last user); an invalid output falls back to the retriever's order, as in evaluation.
   `valid_hits`: each user's hit (0/1) in user order, which pairs the curve's points (keep_best,
   `loop.Validation`). None when `rc.valid_every` is 0. Several processes: each decodes users
-  i, i + P, ..., and the hits are gathered back into user order (the same for any P)."""
+  i, i + P, ..., a call holding valid_batch_size / P of each process's users (the same users
+  per call for any P), and the hits are gathered back into user order (the same for any P)."""
   if not int(rc.get("valid_every", 0)) or not int(rc.get("valid_prompts", 0)):
     return None
   vt = task_setup(config, workdir, "valid")
@@ -154,11 +156,14 @@ def validator(config, workdir: str, rc, policy_cfg, dc):
   n = min(int(rc.valid_prompts), len(vt["prompts"]["prompt_ids"])) // pc * pc
   prompts = {k: v[:n][pi::pc] for k, v in vt["prompts"].items()}
   greedy = dataclasses.replace(dc, temperature=0.0)
+  mine = n // pc
+  per = min(-(-int(rc.get("valid_batch_size", 0)) // pc), mine) or mine   # this process's users per call
+  pad = lambda x: np.concatenate([x, np.repeat(x[-1:], -mine % per, axis=0)])
 
   def evaluate(params) -> dict:
-    roll = rollouts.sample(policy_cfg, params, prompts["prompt_ids"], prompts["prompt_len"], greedy,
-                           jax.random.PRNGKey(0), 1)
-    hits, valid, _ = judge(roll["output_ids"], roll["finished"], prompts, vt["tokenizer"], vt["sids"])
+    roll = rollouts.sample(policy_cfg, params, pad(prompts["prompt_ids"]), pad(prompts["prompt_len"]), greedy,
+                           jax.random.PRNGKey(0), 1, rows_per_call=per)
+    hits, valid, _ = judge(roll["output_ids"][:mine], roll["finished"][:mine], prompts, vt["tokenizer"], vt["sids"])
     parts = multihost.allgather("valid_curve", [hits, valid])   # [process][hits | valid][its j-th user]
     user_order = lambda k: [parts[p][k][j] for j in range(n // pc) for p in range(pc)]   # user j * P + p
     all_hits, all_valid = user_order(0), user_order(1)

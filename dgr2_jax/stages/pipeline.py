@@ -11,7 +11,9 @@ AR decoding (block 1) for the AR models (`ar_sft` and `ar` when `teacher_rl` run
 `config.decode` for the diffusion models (at tau `pipeline.ladder_threshold` and step budget
 `pipeline.ladder_steps_per_block` where they are set; 1.0 and no budget decode one position a
 step), plus (`pipeline.speculative_row`) the final diffusion model drafting for the AR teacher
-(`speculative`, whose metrics equal `ar`'s exactly), into `workdir/eval/<method>/`, summarised in
+(`speculative`, whose metrics equal `ar`'s exactly), into `workdir/eval/<method>/` (a stage that
+kept its starting model, keep_best's step 0, holds the previous row's weights: its row is that
+row's predictions, copied rather than decoded again, `weights_stage`), summarised in
 `workdir/results/accuracy.{md,json}` (with the pre-rank floor of the same examples and each row's
 diagnostics from its predictions, task/diagnostics.py: override rate and precision, trace-policy
 agreement, paired bootstrap CIs against the floor and the AR teacher `ar`). The `bench` step
@@ -162,11 +164,18 @@ def run_ladder(config, workdir: str) -> dict:
   """Evaluates every model of the chain that exists and writes the accuracy tables: the pre-rank
   floor, the rules that see the prompts' evidence (`rule_picks`), then the models."""
   rows, hashes, floor, preds = [], [], None, {}
+  decoded = {}   # (the stage whose weights a row holds, its decode settings) -> that eval's output
   for method, stage in ladder_methods(config):
     if common.read_done(common.stage_dir(workdir, stage)) is None:
       print(f"pipeline: no {stage!r} model in {workdir}; ladder row {method!r} skipped", flush=True)
       continue
-    out = eval_stage.run(method_config(config, workdir, method, stage), workdir)
+    mc = method_config(config, workdir, method, stage)
+    key = (weights_stage(config, workdir, stage), json.dumps(common.to_plain(mc.decode), sort_keys=True))
+    if key in decoded:
+      print(f"pipeline: ladder row {method!r}: {stage!r} kept its starting model, the weights of row "
+            f"{decoded[key][0]!r}: its predictions, not decoded again", flush=True)
+    out = eval_stage.run(mc, workdir, same_as=decoded[key][1] if key in decoded else None)
+    decoded.setdefault(key, (method, out))
     m = _read_json(os.path.join(out, "metrics.json"))
     hashes.append(common.read_done(out)["config_hash"])
     preds[method] = _read_jsonl(os.path.join(out, "predictions.jsonl"))
@@ -188,6 +197,18 @@ def run_ladder(config, workdir: str) -> dict:
   obj = results.write_accuracy(os.path.join(workdir, "results"), rows,
                                results.meta(common.config_hash(hashes)))
   return obj
+
+
+def weights_stage(config, workdir: str, stage: str) -> str:
+  """The model stage whose weights `workdir/<stage>/model` holds: a stage that kept its starting
+  point (keep_best's `best_step` 0 in its DONE.json) and started from the chain's previous model
+  (no `<stage>.init_from`) saved that model's weights unchanged (bit for bit, tested)."""
+  while stage in MODEL_STAGES and stage != MODEL_STAGES[0]:
+    done = common.read_done(common.stage_dir(workdir, stage)) or {}
+    if done.get("best_step") != 0 or config.get(stage, {}).get("init_from"):
+      break
+    stage = previous_model_stage(config, stage)
+  return stage
 
 
 def ladder_diagnostics(config, workdir: str, preds: dict, split: str) -> dict:

@@ -85,6 +85,9 @@ def rl_config() -> ml_collections.ConfigDict:
   # first step and every `valid_every` steps (0 = none), in the stage's valid_curve.json.
   c.valid_every = 0
   c.valid_prompts = 512        # validation users decoded per point of the curve
+  # Validation users decoded per call, over all processes (0 = all at once): on 2 CPU cores a call
+  # of 64 decoded 1,536 users 2.5x (AR) and 1.3x (block diffusion) as fast as one call of all.
+  c.valid_batch_size = 64
   c.keep_best = False          # the best point beating the start by >= 2 paired SEs (loop.keep_bar), else the start
   return c
 
@@ -219,6 +222,9 @@ def validate(config, runs: set, section: str = "rl") -> None:
   if not checks.is_int(c[section].get("rollout_batch_size", 0), 0):
     checks.fail(f"{section}.rollout_batch_size", f"must be an int >= 0 (0 = all rollouts at once), got "
                 f"{c[section].rollout_batch_size!r}")
+  if not checks.is_int(c[section].get("valid_batch_size", 0), 0):
+    checks.fail(f"{section}.valid_batch_size", f"must be an int >= 0 (0 = all at once), got "
+                f"{c[section].valid_batch_size!r}")
 
 
 def _validate_sampling(c, section: str) -> None:

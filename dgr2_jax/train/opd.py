@@ -112,6 +112,9 @@ def opd_config() -> ml_collections.ConfigDict:
   # workdir/opd/valid_curve.json.
   c.valid_every = 0
   c.valid_prompts = 512        # validation users decoded per point of the curve
+  # Validation users decoded per call, over all processes (0 = all at once): on 2 CPU cores a call
+  # of 64 decoded 1,536 users 2.5x (AR) and 1.3x (block diffusion) as fast as one call of all.
+  c.valid_batch_size = 64
   c.keep_best = False          # the best point beating the start by >= 2 paired SEs (loop.keep_bar), else the start
   # Weight of the KL at the candidate numbers the reasoning names (the token after ' #': the first
   # pick is decided there), against 1 for every other token (`train.opd.opd_loss`). A rollout is
@@ -352,3 +355,5 @@ def validate(config, runs: set) -> None:
   if not checks.is_int(c.opd.get("rollout_batch_size", 0), 0):
     checks.fail("opd.rollout_batch_size", f"must be an int >= 0 (0 = all rollouts at once), got "
                 f"{c.opd.rollout_batch_size!r}")
+  if not checks.is_int(c.opd.get("valid_batch_size", 0), 0):
+    checks.fail("opd.valid_batch_size", f"must be an int >= 0 (0 = all at once), got {c.opd.valid_batch_size!r}")
