@@ -85,9 +85,11 @@ def rl_config() -> ml_collections.ConfigDict:
   # first step and every `valid_every` steps (0 = none), in the stage's valid_curve.json.
   c.valid_every = 0
   c.valid_prompts = 512        # validation users decoded per point of the curve
-  # Validation users decoded per call, over all processes (0 = all at once): on 2 CPU cores a call
-  # of 64 decoded 1,536 users 2.5x (AR) and 1.3x (block diffusion) as fast as one call of all.
-  c.valid_batch_size = 64
+  # Validation users decoded per call, over all processes (0 = all at once). A call's users are
+  # split over the data x fsdp devices, so a value > 0 must be a multiple of their count, as
+  # valid_prompts is at 0. On 2 CPU cores calls of 64 decoded 1,536 users 2.5x (AR) and 1.3x
+  # (block diffusion) as fast as one call of all (configs/demo.py sets 64).
+  c.valid_batch_size = 0
   c.keep_best = False          # the best point beating the start by >= 2 paired SEs (loop.keep_bar), else the start
   return c
 
